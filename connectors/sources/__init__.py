@@ -1,0 +1,15 @@
+"""Sources: where messages come from, each with a stable position."""
+
+from connectors.sources.base import Message, PartitionKey, PositionLookup, Source
+from connectors.sources.files import DirectorySource, JsonlSource, ListSource, source_for_path
+
+__all__ = [
+    "DirectorySource",
+    "JsonlSource",
+    "ListSource",
+    "Message",
+    "PartitionKey",
+    "PositionLookup",
+    "Source",
+    "source_for_path",
+]

@@ -1,0 +1,85 @@
+"""The Store contract and the plain records that cross it."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from schemas import CallRecord, DeadLetter, Document, StageResult
+
+DocRef = tuple[str, str]  # (tenant, doc_key)
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """A validated output, reusable by any document of the same tenant with the same content."""
+
+    cache_key: str
+    tenant: str
+    stage: str
+    fingerprint: str
+    output: dict[str, Any]
+    model: str
+    tokens_in: int
+    tokens_out: int
+    cost: float
+
+
+@dataclass(frozen=True)
+class DocumentOutcome:
+    """Everything one document produced: its results, or the dead letter it ended as."""
+
+    document: Document | None
+    results: tuple[StageResult, ...] = ()
+    typed_rows: tuple[tuple[str, dict[str, Any]], ...] = ()  # (table, fields) per Extract result
+    calls: tuple[CallRecord, ...] = ()
+    cache: tuple[CacheEntry, ...] = ()
+    dead_letter: DeadLetter | None = None
+
+
+@dataclass
+class Batch:
+    """One store transaction: outcomes plus the positions they complete."""
+
+    outcomes: list[DocumentOutcome] = field(default_factory=list)
+    #: (stream, partition) → next offset; every message before it has an outcome in the store.
+    positions: dict[tuple[str, int], int] = field(default_factory=dict)
+
+
+@dataclass
+class Lookup:
+    """What the store already knows about a set of documents and cache keys."""
+
+    #: (tenant, doc_key, stage) → (cache_key, output) of the stored result.
+    results: dict[tuple[str, str, str], tuple[str, dict[str, Any]]]
+    #: (tenant, doc_key) → cache keys of open dead letters (terminal failures already recorded).
+    dead: dict[DocRef, set[str]]
+    cache: dict[str, CacheEntry]
+
+
+class Store(ABC):
+    """Where results, cache, calls and positions live. Every write is one transaction."""
+
+    @abstractmethod
+    def prepare(self, typed_tables: Sequence[tuple[str, type[BaseModel]]]) -> None:
+        """Called once before a run: migrates the schema and creates the typed extraction tables.
+        Raises if a typed table exists with columns that no longer match its schema."""
+
+    @abstractmethod
+    def lookup(self, pipeline: str, docs: Iterable[DocRef], cache_keys: Iterable[str]) -> Lookup:
+        """Called for each polled batch, before any LLM call: stored results (a redelivery is a
+        no-op), open dead letters, and cached outputs. Read-only; a failure stops the run."""
+
+    @abstractmethod
+    def write(self, pipeline: str, batch: Batch) -> None:
+        """Commits a batch atomically: documents, results, typed rows, cache, calls, dead letters
+        and positions. Called before the source commits; if it raises, nothing was written and the
+        messages will be redelivered. Idempotent: writing the same batch twice adds no row."""
+
+    @abstractmethod
+    def stored_position(self, pipeline: str, stream: str, partition: int) -> int | None:
+        """The next offset to read for a partition, or None if it was never processed."""

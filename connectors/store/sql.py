@@ -1,0 +1,210 @@
+"""The SQLAlchemy store: SQLite by default, PostgreSQL (psycopg 3) by URL."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+from sqlalchemy import Connection, Engine, MetaData, Table, create_engine, event, func, inspect, select, tuple_
+from sqlalchemy.dialects import postgresql, sqlite
+
+from connectors.store.base import Batch, CacheEntry, DocRef, Lookup, Store
+from connectors.store.tables import (
+    TYPED_KEY_COLUMNS,
+    dead_letters,
+    documents,
+    llm_cache,
+    llm_calls,
+    source_positions,
+    stage_results,
+    typed_table,
+)
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+#: Rows per IN (...) query; keeps statements well under both backends' parameter limits.
+_CHUNK = 500
+
+
+def make_engine(url: str) -> Engine:
+    """An engine with the pragmas that make SQLite a fair embedded default (WAL, busy timeout)."""
+    engine = create_engine(url, pool_pre_ping=True)
+    if engine.dialect.name == "sqlite":
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+            cursor = dbapi_conn.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+            cursor.execute("PRAGMA busy_timeout=30000")
+            cursor.close()
+
+    return engine
+
+
+def upgrade(engine: Engine) -> None:
+    """Runs the Alembic migrations to head on ``engine`` (what ``etl db upgrade`` does)."""
+    from alembic import command  # noqa: PLC0415 - alembic is only needed when migrating
+    from alembic.config import Config  # noqa: PLC0415
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    with engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.upgrade(config, "head")
+
+
+def _chunks(items: list[Any]) -> Iterable[list[Any]]:
+    for start in range(0, len(items), _CHUNK):
+        yield items[start : start + _CHUNK]
+
+
+class SqlStore(Store):
+    """A :class:`Store` on any SQLAlchemy URL SQLite or PostgreSQL understands."""
+
+    def __init__(self, url: str) -> None:
+        self.engine = make_engine(url)
+        self._insert = postgresql.insert if self.engine.dialect.name == "postgresql" else sqlite.insert
+        self._typed_meta = MetaData()
+        self._typed: dict[str, Table] = {}
+
+    def prepare(self, typed_tables: Sequence[tuple[str, type[BaseModel]]]) -> None:
+        upgrade(self.engine)
+        for name, schema in typed_tables:
+            table = self._typed.get(name) or typed_table(name, schema, self._typed_meta)
+            self._typed[name] = table
+            existing = inspect(self.engine).get_columns(name) if inspect(self.engine).has_table(name) else None
+            if existing is None:
+                table.create(self.engine)
+                continue
+            have = {c["name"] for c in existing}
+            want = {c.name for c in table.columns}
+            if have != want:
+                raise ValueError(
+                    f"table {name!r} has columns {sorted(have)} but schema {schema.__name__} needs "
+                    f"{sorted(want)}; give the Extract stage a new table= name or migrate the table"
+                )
+
+    def lookup(self, pipeline: str, docs: Iterable[DocRef], cache_keys: Iterable[str]) -> Lookup:
+        refs = sorted(set(docs))
+        keys = sorted(set(cache_keys))
+        found = Lookup(results={}, dead={}, cache={})
+        with self.engine.connect() as conn:
+            for chunk in _chunks(refs):
+                doc_in = tuple_(stage_results.c.tenant, stage_results.c.doc_key).in_(chunk)
+                rows = conn.execute(
+                    select(stage_results.c.tenant, stage_results.c.doc_key, stage_results.c.stage,
+                           stage_results.c.cache_key, stage_results.c.output)
+                    .where(stage_results.c.pipeline == pipeline, doc_in)
+                )
+                for tenant, key, stage, cache_key, output in rows:
+                    found.results[(tenant, key, stage)] = (cache_key, output)
+                dead_in = tuple_(dead_letters.c.tenant, dead_letters.c.doc_key).in_(chunk)
+                rows = conn.execute(
+                    select(dead_letters.c.tenant, dead_letters.c.doc_key, dead_letters.c.cache_key).where(
+                        dead_letters.c.pipeline == pipeline, dead_letters.c.status == "open", dead_in
+                    )
+                )
+                for tenant, key, cache_key in rows:
+                    found.dead.setdefault((tenant, key), set()).add(cache_key)
+            for chunk in _chunks(keys):
+                for row in conn.execute(select(llm_cache).where(llm_cache.c.cache_key.in_(chunk))).mappings():
+                    found.cache[row["cache_key"]] = CacheEntry(**{k: row[k] for k in CacheEntry.__dataclass_fields__})
+        return found
+
+    def write(self, pipeline: str, batch: Batch) -> None:
+        with self.engine.begin() as conn:
+            self._write(conn, pipeline, batch)
+
+    def stored_position(self, pipeline: str, stream: str, partition: int) -> int | None:
+        with self.engine.connect() as conn:
+            return conn.execute(
+                select(source_positions.c.next_offset).where(
+                    source_positions.c.pipeline == pipeline,
+                    source_positions.c.stream == stream,
+                    source_positions.c.partition == partition,
+                )
+            ).scalar_one_or_none()
+
+    # -- one transaction ---------------------------------------------------------------------
+
+    def _upsert(self, conn: Connection, table: Table, rows: list[dict[str, Any]], keys: Sequence[str],
+                changed_when: str | None) -> None:
+        """Inserts rows; on a key conflict updates the row only where ``changed_when`` differs
+        (so a redelivery rewrites nothing), or does nothing when ``changed_when`` is None."""
+        if not rows:
+            return
+        stmt = self._insert(table)
+        if changed_when is None:
+            stmt = stmt.on_conflict_do_nothing(index_elements=list(keys))
+        else:
+            updates = {c: stmt.excluded[c] for c in rows[0] if c not in keys}
+            if "updated_at" in table.c:
+                updates["updated_at"] = func.now()
+            stmt = stmt.on_conflict_do_update(
+                index_elements=list(keys), set_=updates,
+                where=table.c[changed_when] != stmt.excluded[changed_when],
+            )
+        conn.execute(stmt, rows)
+
+    def _write(self, conn: Connection, pipeline: str, batch: Batch) -> None:
+        docs: dict[DocRef, dict[str, Any]] = {}
+        results: dict[tuple[str, str, str], dict[str, Any]] = {}
+        typed: dict[str, dict[DocRef, dict[str, Any]]] = {}
+        cache: dict[str, dict[str, Any]] = {}
+        calls: list[dict[str, Any]] = []
+        dead: list[dict[str, Any]] = []
+        # Later outcomes for the same document win (the newest content); rows are de-duplicated
+        # here because one statement may not touch the same row twice on PostgreSQL.
+        for outcome in batch.outcomes:
+            doc = outcome.document
+            if doc is not None:
+                ref = (doc.tenant, doc.key)
+                docs[ref] = {
+                    "pipeline": pipeline, "tenant": doc.tenant, "doc_key": doc.key,
+                    "content_hash": doc.content_hash, "stream": doc.position.stream,
+                    "partition": doc.position.partition, "message_offset": doc.position.offset,
+                    "received_at": doc.received_at,
+                }
+                for result in outcome.results:
+                    p = result.provenance
+                    results[(*ref, result.stage)] = {
+                        "pipeline": pipeline, "tenant": doc.tenant, "doc_key": doc.key, "stage": result.stage,
+                        "output": result.output, **p.model_dump(),
+                    }
+                for table, fields in outcome.typed_rows:
+                    typed.setdefault(table, {})[ref] = {
+                        "pipeline": pipeline, "tenant": doc.tenant, "doc_key": doc.key, **fields,
+                    }
+            for entry in outcome.cache:
+                cache[entry.cache_key] = vars(entry)
+            calls.extend({"pipeline": pipeline, **c.model_dump()} for c in outcome.calls)
+            if (letter := outcome.dead_letter) is not None:
+                dead.append({
+                    "pipeline": pipeline, "stream": letter.position.stream,
+                    "partition": letter.position.partition, "message_offset": letter.position.offset,
+                    **letter.model_dump(exclude={"position"}),
+                })
+        self._upsert(conn, documents, list(docs.values()), ("pipeline", "tenant", "doc_key"), "content_hash")
+        self._upsert(conn, stage_results, list(results.values()),
+                     ("pipeline", "tenant", "doc_key", "stage"), "cache_key")
+        for name, rows in typed.items():
+            self._upsert(conn, self._typed[name], list(rows.values()), TYPED_KEY_COLUMNS, "cache_key")
+        self._upsert(conn, llm_cache, list(cache.values()), ("cache_key",), None)
+        self._upsert(conn, dead_letters, dead, ("pipeline", "stream", "partition", "message_offset"), None)
+        if calls:
+            conn.execute(llm_calls.insert(), calls)
+        positions = [
+            {"pipeline": pipeline, "stream": stream, "partition": partition, "next_offset": offset}
+            for (stream, partition), offset in batch.positions.items()
+        ]
+        if positions:
+            # Positions only move forward: a deliberate replay from 0 must not rewind them.
+            stmt = self._insert(source_positions)
+            stmt = stmt.on_conflict_do_update(
+                index_elements=["pipeline", "stream", "partition"],
+                set_={"next_offset": stmt.excluded.next_offset, "updated_at": func.now()},
+                where=source_positions.c.next_offset < stmt.excluded.next_offset,
+            )
+            conn.execute(stmt, positions)

@@ -1,0 +1,201 @@
+"""The store's tables (SQLAlchemy Core). Alembic migrations create them; see ``migrations/``.
+
+Typed extraction tables are not here: they are made from each ``Extract`` schema at run time by
+:func:`typed_table`, since their columns are the user's pydantic fields.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import types
+import typing
+from typing import Any
+
+from pydantic import BaseModel
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Column,
+    Date,
+    DateTime,
+    Float,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    Numeric,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    func,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+metadata = MetaData()
+
+#: JSON on SQLite, JSONB on PostgreSQL (indexable, and what analysts expect).
+Json = JSON().with_variant(JSONB(), "postgresql")
+Id = BigInteger().with_variant(Integer(), "sqlite")  # SQLite autoincrements INTEGER PRIMARY KEY only
+
+
+def _now() -> Column[Any]:
+    return Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now())
+
+
+documents = Table(
+    "documents",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("pipeline", String(200), nullable=False),
+    Column("tenant", String(200), nullable=False),
+    Column("doc_key", String(500), nullable=False),
+    Column("content_hash", String(64), nullable=False),
+    Column("stream", String(500), nullable=False),
+    Column("partition", Integer, nullable=False),
+    Column("message_offset", BigInteger, nullable=False),
+    Column("received_at", DateTime(timezone=True), nullable=False),
+    UniqueConstraint("pipeline", "tenant", "doc_key", name="uq_documents_doc"),
+)
+
+stage_results = Table(
+    "stage_results",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("pipeline", String(200), nullable=False),
+    Column("tenant", String(200), nullable=False),
+    Column("doc_key", String(500), nullable=False),
+    Column("stage", String(200), nullable=False),
+    Column("output", Json, nullable=False),
+    Column("cache_key", String(64), nullable=False),
+    Column("fingerprint", String(64), nullable=False),
+    Column("model", String(300), nullable=False),
+    Column("prompt_hash", String(64), nullable=False),
+    Column("schema_hash", String(64), nullable=False),
+    Column("cache_hit", Boolean, nullable=False),
+    Column("attempts", Integer, nullable=False),
+    Column("tokens_in", Integer, nullable=False),
+    Column("tokens_out", Integer, nullable=False),
+    Column("cost", Float, nullable=False),
+    Column("latency_ms", Float, nullable=False),
+    _now(),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    UniqueConstraint("pipeline", "tenant", "doc_key", "stage", name="uq_stage_results_doc_stage"),
+)
+
+llm_cache = Table(
+    "llm_cache",
+    metadata,
+    Column("cache_key", String(64), primary_key=True),
+    Column("tenant", String(200), nullable=False),
+    Column("stage", String(200), nullable=False),
+    Column("fingerprint", String(64), nullable=False),
+    Column("output", Json, nullable=False),
+    Column("model", String(300), nullable=False),
+    Column("tokens_in", Integer, nullable=False),
+    Column("tokens_out", Integer, nullable=False),
+    Column("cost", Float, nullable=False),
+    _now(),
+)
+
+llm_calls = Table(
+    "llm_calls",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("pipeline", String(200), nullable=False),
+    Column("tenant", String(200), nullable=False),
+    Column("stage", String(200), nullable=False),
+    Column("doc_key", String(500), nullable=False),
+    Column("cache_key", String(64), nullable=False),
+    Column("model", String(300), nullable=False),
+    Column("outcome", String(20), nullable=False),
+    Column("tokens_in", Integer, nullable=False),
+    Column("tokens_out", Integer, nullable=False),
+    Column("cost", Float, nullable=False),
+    Column("latency_ms", Float, nullable=False),
+    Column("error", Text),
+    _now(),
+    Index("ix_llm_calls_tenant_stage", "tenant", "stage", "created_at"),
+)
+
+source_positions = Table(
+    "source_positions",
+    metadata,
+    Column("pipeline", String(200), nullable=False),
+    Column("stream", String(500), nullable=False),
+    Column("partition", Integer, nullable=False),
+    Column("next_offset", BigInteger, nullable=False),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    PrimaryKeyConstraint("pipeline", "stream", "partition", name="pk_source_positions"),
+)
+
+dead_letters = Table(
+    "dead_letters",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("pipeline", String(200), nullable=False),
+    Column("stream", String(500), nullable=False),
+    Column("partition", Integer, nullable=False),
+    Column("message_offset", BigInteger, nullable=False),
+    Column("tenant", String(200)),
+    Column("doc_key", String(500)),
+    Column("stage", String(200)),
+    Column("cache_key", String(64)),
+    Column("reason", String(50), nullable=False),
+    Column("detail", Text, nullable=False),
+    Column("payload", LargeBinary, nullable=False),
+    Column("raw_output", Text),
+    Column("status", String(20), nullable=False, server_default="open"),
+    _now(),
+    UniqueConstraint("pipeline", "stream", "partition", "message_offset", name="uq_dead_letters_position"),
+    Index("ix_dead_letters_doc", "pipeline", "tenant", "doc_key"),
+)
+
+_SCALARS: dict[Any, Any] = {
+    str: Text,
+    int: BigInteger,
+    float: Float,
+    bool: Boolean,
+    dt.date: Date,
+    dt.datetime: lambda: DateTime(timezone=True),
+    decimal.Decimal: Numeric,
+}
+#: Columns every typed table has before the schema's own fields.
+TYPED_KEY_COLUMNS = ("pipeline", "tenant", "doc_key")
+
+
+def _column_type(annotation: Any) -> tuple[Any, bool]:
+    """(SQL type, nullable) for a pydantic field annotation; anything not scalar is stored as JSON."""
+    nullable = False
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        nullable = len(args) < len(typing.get_args(annotation))
+        annotation = args[0] if len(args) == 1 else None
+    sql = _SCALARS.get(annotation)
+    return (sql() if sql is not None else Json), nullable
+
+
+def typed_table(name: str, schema: type[BaseModel], meta: MetaData) -> Table:
+    """A table with one column per field of ``schema``, keyed like ``stage_results``."""
+    reserved = set(TYPED_KEY_COLUMNS) | {"cache_key", "updated_at"}
+    columns = []
+    for field, info in schema.model_fields.items():
+        if field in reserved:
+            raise ValueError(f"field {field!r} of {schema.__name__} clashes with a column idem-etl adds; rename it")
+        sql_type, nullable = _column_type(info.annotation)
+        columns.append(Column(field, sql_type, nullable=nullable or not info.is_required()))
+    return Table(
+        name,
+        meta,
+        Column("pipeline", String(200), nullable=False),
+        Column("tenant", String(200), nullable=False),
+        Column("doc_key", String(500), nullable=False),
+        *columns,
+        Column("cache_key", String(64), nullable=False),
+        Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+        PrimaryKeyConstraint(*TYPED_KEY_COLUMNS, name=f"pk_{name}"),
+    )

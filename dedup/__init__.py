@@ -1,0 +1,14 @@
+"""Hashing and idempotency: content hashes, stage fingerprints, cache keys, single-flight."""
+
+from dedup.hashing import cache_key, canonical_json, content_hash, normalize_content, sha256_hex, stage_fingerprint
+from dedup.singleflight import SingleFlight
+
+__all__ = [
+    "SingleFlight",
+    "cache_key",
+    "canonical_json",
+    "content_hash",
+    "normalize_content",
+    "sha256_hex",
+    "stage_fingerprint",
+]

@@ -1,0 +1,67 @@
+"""idem-etl: idempotent LLM batch ETL. A redelivered message costs no LLM call and writes no row.
+
+```python
+from etl import Pipeline, Classify, Extract, label_in
+```
+"""
+
+from connectors.sources import DirectorySource, JsonlSource, ListSource, Source
+from etl.decode import Decoder
+from etl.errors import (
+    BadInput,
+    ConfigError,
+    ContextOverflow,
+    EtlError,
+    LLMError,
+    OutputError,
+    Refusal,
+    SchemaInvalid,
+    SemanticInvalid,
+    SourceError,
+    StoreError,
+    TransientLLMError,
+    Truncated,
+)
+from etl.llm import LLM, LLMRequest, LLMResponse, LocalLLM
+from etl.pipeline import Pipeline, load_pipeline
+from etl.run import run_pipeline
+from etl.runner import RunStats
+from etl.settings import Settings
+from etl.stages import Classify, Extract, Stage, label_in
+from schemas import Classification, Receipt
+
+__all__ = [
+    "LLM",
+    "BadInput",
+    "Classification",
+    "Classify",
+    "ConfigError",
+    "ContextOverflow",
+    "Decoder",
+    "DirectorySource",
+    "EtlError",
+    "Extract",
+    "JsonlSource",
+    "LLMError",
+    "LLMRequest",
+    "LLMResponse",
+    "ListSource",
+    "LocalLLM",
+    "OutputError",
+    "Pipeline",
+    "Receipt",
+    "Refusal",
+    "RunStats",
+    "SchemaInvalid",
+    "SemanticInvalid",
+    "Settings",
+    "Source",
+    "SourceError",
+    "Stage",
+    "StoreError",
+    "TransientLLMError",
+    "Truncated",
+    "label_in",
+    "load_pipeline",
+    "run_pipeline",
+]

@@ -1,0 +1,87 @@
+"""Message → Document. Every way a message can be unusable ends here as a typed ``BadInput``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from connectors.sources import Message
+from dedup import content_hash, normalize_content
+from etl.errors import BadInput
+from schemas import Document
+
+
+class Decoder(BaseModel):
+    """How a message's bytes become a Document.
+
+    JSON messages: ``content_field`` holds the text, ``key_field`` the document key (falling back to
+    the source's key, then to ``stream:partition:offset``), and the tenant comes from ``tenant_from``:
+    ``"field:<name>"``, ``"header:<name>"`` or ``"key"``. Text messages (a directory of files) are the
+    content themselves. Without a tenant the message goes to ``default_tenant``; set that to None to
+    dead-letter such messages instead.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    content_field: str = "text"
+    key_field: str = "id"
+    tenant_from: str = Field(default="field:tenant", pattern=r"^(field:.+|header:.+|key)$")
+    default_tenant: str | None = "default"
+    max_bytes: int = Field(default=1_000_000, gt=0)
+
+    def decode(self, message: Message, value_format: Literal["json", "text"]) -> Document:
+        """Raises BadInput with a one-line reason; the caller dead-letters the original bytes."""
+        if len(message.value) > self.max_bytes:
+            raise BadInput(f"message is {len(message.value)} bytes, over the {self.max_bytes}-byte limit")
+        try:
+            text = message.value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise BadInput(f"not valid UTF-8 at byte {exc.start}") from exc
+        fields: dict[str, Any] = {}
+        if value_format == "json":
+            try:
+                fields = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise BadInput(f"not valid JSON: {exc.msg} at column {exc.colno}") from exc
+            if not isinstance(fields, dict):
+                raise BadInput(f"expected a JSON object, got {type(fields).__name__}")
+            content = fields.get(self.content_field)
+            if not isinstance(content, str) or not content.strip():
+                raise BadInput(f"field {self.content_field!r} is missing, empty or not a string")
+        else:
+            content = text
+            if not content.strip():
+                raise BadInput("empty document")
+        key = fields.get(self.key_field)
+        if key is None and message.key is not None:
+            key = message.key.decode("utf-8", errors="replace")
+        if key is None:
+            p = message.position
+            key = f"{p.stream}:{p.partition}:{p.offset}"
+        tenant = self._tenant(message, fields)
+        if tenant is None:
+            raise BadInput(f"no tenant ({self.tenant_from}) and no default tenant is configured")
+        content = normalize_content(content)
+        return Document(
+            tenant=tenant,
+            key=str(key),
+            content=content,
+            content_hash=content_hash(content),
+            position=message.position,
+            fields={k: v for k, v in fields.items() if k != self.content_field},
+        )
+
+    def _tenant(self, message: Message, fields: dict[str, Any]) -> str | None:
+        kind, _, name = self.tenant_from.partition(":")
+        value: Any = None
+        if kind == "field":
+            value = fields.get(name)
+        elif kind == "header":
+            value = next((v.decode("utf-8", errors="replace") for k, v in message.headers if k == name), None)
+        elif message.key is not None:
+            value = message.key.decode("utf-8", errors="replace")
+        if value is None or (isinstance(value, str) and not value.strip()):
+            return self.default_tenant
+        return str(value)

@@ -1,0 +1,105 @@
+"""One exception tree for idem-etl. Every class says whether retrying can help.
+
+```
+EtlError                       retryable=False  the root; catch this to catch ours
+├── ConfigError                                 a pipeline or setting a user must fix
+├── SourceError                                 input cannot be read at all (missing file, broker gone)
+├── BadInput                   reason=bad_input one message cannot be decoded → dead letter
+├── StoreError                                  the database refused or is unreachable
+└── LLMError                                    a model call failed
+    ├── TransientLLMError      retryable=True   429, 5xx, timeouts, connection resets
+    └── OutputError            retryable=False  the model answered, but not with a valid result
+        ├── Truncated          reason=truncated
+        ├── Refusal            reason=refusal
+        ├── SchemaInvalid      reason=schema_invalid
+        ├── SemanticInvalid    reason=semantic_invalid
+        └── ContextOverflow    reason=context_overflow
+```
+
+Retries (tenacity) key on ``retryable`` only. Third-party errors are translated at the boundary where
+they happen and chained with ``raise ... from exc`` so the cause is never lost. ``reason`` is the typed
+reason a dead letter records.
+"""
+
+from __future__ import annotations
+
+
+class EtlError(Exception):
+    """Root of every error idem-etl raises on purpose."""
+
+    retryable: bool = False
+    reason: str = "error"
+
+
+class ConfigError(EtlError):
+    """A pipeline, stage or setting is wrong; the message says what to change."""
+
+    reason = "config"
+
+
+class SourceError(EtlError):
+    """The source as a whole cannot be read (a missing file, an unreachable broker)."""
+
+    reason = "source"
+
+
+class BadInput(EtlError):
+    """One message cannot become a Document (bad UTF-8, bad JSON, no content, no tenant, too large)."""
+
+    reason = "bad_input"
+
+
+class StoreError(EtlError):
+    """The store could not be reached or refused a write."""
+
+    reason = "store"
+
+
+class LLMError(EtlError):
+    """A model call failed."""
+
+    reason = "provider_error"
+
+
+class TransientLLMError(LLMError):
+    """Worth retrying: rate limits, server errors, timeouts, dropped connections."""
+
+    retryable = True
+
+
+class OutputError(LLMError):
+    """The model answered, but the answer is not a valid result. ``raw`` keeps what it said."""
+
+    def __init__(self, message: str, raw: str | None = None) -> None:
+        super().__init__(message)
+        self.raw = raw
+
+
+class Truncated(OutputError):
+    """The answer hit the token limit (``finish_reason == "length"``): not a parse error."""
+
+    reason = "truncated"
+
+
+class Refusal(OutputError):
+    """The model declined to answer."""
+
+    reason = "refusal"
+
+
+class SchemaInvalid(OutputError):
+    """The answer is not JSON, or does not match the stage's schema."""
+
+    reason = "schema_invalid"
+
+
+class SemanticInvalid(OutputError):
+    """The answer matches the schema but fails a semantic check (a date that does not parse...)."""
+
+    reason = "semantic_invalid"
+
+
+class ContextOverflow(OutputError):
+    """The prompt does not fit the model's context window; retrying the same prompt cannot help."""
+
+    reason = "context_overflow"

@@ -1,0 +1,225 @@
+"""One document through every stage: stored result, cache, single-flight, or the model.
+
+Pure of store I/O: it reads a :class:`Lookup` made before the batch and returns a
+:class:`DocumentOutcome` for the runner to commit. The only I/O is the LLM call itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_random_exponential
+
+from connectors.store import CacheEntry, DocumentOutcome, Lookup
+from dedup import SingleFlight, cache_key, canonical_json, sha256_hex, stage_fingerprint
+from etl.errors import EtlError, LLMError, OutputError
+from etl.llm.base import LLM, LLMRequest
+from etl.stages import Extract, Stage
+from schemas import CallRecord, DeadLetter, Document, Provenance, StageResult
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """A stage with the hashes that identify its outputs, computed once per run."""
+
+    stage: Stage
+    fingerprint: str
+    prompt_hash: str
+    schema_hash: str
+
+    @classmethod
+    def of(cls, stage: Stage, llm: LLM) -> StagePlan:
+        spec = {**stage.spec(), "model": llm.model_id, "params": llm.params}
+        return cls(
+            stage=stage,
+            fingerprint=stage_fingerprint(spec),
+            prompt_hash=sha256_hex(canonical_json([spec["system"], spec["user"]])),
+            schema_hash=sha256_hex(canonical_json(spec["schema"])),
+        )
+
+    def key(self, document: Document) -> str:
+        return cache_key(document.tenant, self.fingerprint, document.content_hash)
+
+
+@dataclass
+class Computed:
+    """A fresh validated output and every attempt it took."""
+
+    entry: CacheEntry
+    calls: list[CallRecord]
+    attempts: int
+    latency_ms: float
+
+
+class StageFailed(EtlError):
+    """A stage ended without a valid output; carries the attempts made, for cost accounting."""
+
+    def __init__(self, error: EtlError, calls: list[CallRecord]) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.calls = calls
+        self.reason = error.reason
+
+
+@dataclass
+class Tally:
+    """What one document cost, for progress and the run summary."""
+
+    stage_runs: int = 0
+    stored_hits: int = 0
+    cache_hits: int = 0
+    llm_calls: int = 0
+    saved_cost: float = 0.0
+    keys: list[str] = field(default_factory=list)
+
+
+class Executor:
+    """Runs the stages of a pipeline for one document at a time (many concurrently)."""
+
+    def __init__(self, plans: Sequence[StagePlan], llm: LLM, max_attempts: int = 3, max_retry_s: float = 60.0) -> None:
+        self.plans = list(plans)
+        self.llm = llm
+        self.flights: SingleFlight[Computed] = SingleFlight()
+        self.max_attempts = max_attempts
+        self.max_retry_s = max_retry_s
+
+    def keys(self, document: Document) -> list[str]:
+        return [plan.key(document) for plan in self.plans]
+
+    async def run(self, document: Document, payload: bytes, lookup: Lookup) -> tuple[DocumentOutcome, Tally]:
+        tally = Tally()
+        outputs: dict[str, BaseModel] = {}
+        results: list[StageResult] = []
+        typed: list[tuple[str, dict[str, Any]]] = []
+        calls: list[CallRecord] = []
+        cache: list[CacheEntry] = []
+        ref = (document.tenant, document.key)
+        for plan in self.plans:
+            stage = plan.stage
+            try:
+                applies = stage.applies(outputs)
+            except Exception as exc:  # user code in when=; its failure must not stop the run
+                return self._dead(document, payload, stage.name, None, "stage_error",
+                                  f"when= raised {type(exc).__name__}: {exc}", None, results, typed, calls, cache), tally
+            if not applies:
+                continue
+            key = plan.key(document)
+            tally.stage_runs += 1
+            tally.keys.append(key)
+            stored = lookup.results.get((*ref, stage.name))
+            if stored is not None and stored[0] == key:
+                # Redelivery: this exact result is already committed. Nothing to call or write.
+                tally.stored_hits += 1
+                outputs[stage.name] = stage.output_model.model_validate(stored[1])
+                continue
+            if key in lookup.dead.get(ref, ()):
+                # Already ended as a dead letter for this content and fingerprint: a no-op too.
+                tally.stored_hits += 1
+                return DocumentOutcome(document=None), tally
+            entry = lookup.cache.get(key)
+            shared = entry is not None
+            computed: Computed | None = None
+            if entry is None:
+                try:
+                    computed, shared = await self.flights.do(key, lambda: self._compute(plan, document, key))
+                except StageFailed as failed:
+                    tally.llm_calls += len(failed.calls)
+                    raw = getattr(failed.error, "raw", None)
+                    return self._dead(document, payload, stage.name, key, failed.reason, str(failed.error), raw,
+                                      results, typed, calls + failed.calls, cache), tally
+                entry = computed.entry
+            output = stage.output_model.model_validate(entry.output)
+            outputs[stage.name] = output
+            if shared:
+                tally.cache_hits += 1
+                tally.saved_cost += entry.cost
+                calls.append(self._record(document, stage.name, key, entry.model, "cache_hit",
+                                          entry.tokens_in, entry.tokens_out, entry.cost, 0.0))
+                attempts, latency = 0, 0.0
+            else:
+                assert computed is not None
+                tally.llm_calls += len(computed.calls)
+                calls.extend(computed.calls)
+                cache.append(entry)
+                attempts, latency = computed.attempts, computed.latency_ms
+            results.append(StageResult(
+                stage=stage.name,
+                output=entry.output,
+                provenance=Provenance(
+                    fingerprint=plan.fingerprint, cache_key=key, model=entry.model,
+                    prompt_hash=plan.prompt_hash, schema_hash=plan.schema_hash, cache_hit=shared,
+                    attempts=attempts, tokens_in=0 if shared else entry.tokens_in,
+                    tokens_out=0 if shared else entry.tokens_out, cost=0.0 if shared else entry.cost,
+                    latency_ms=latency,
+                ),
+            ))
+            if isinstance(stage, Extract):
+                typed.append((stage.table, {**output.model_dump(), "cache_key": key}))
+        if not results:
+            return DocumentOutcome(document=None), tally
+        return DocumentOutcome(document=document, results=tuple(results), typed_rows=tuple(typed),
+                               calls=tuple(calls), cache=tuple(cache)), tally
+
+    async def _compute(self, plan: StagePlan, document: Document, key: str) -> Computed:
+        """Asks the model (retrying transient failures) and validates the answer. Raises StageFailed."""
+        stage = plan.stage
+        request = LLMRequest(messages=stage.render(document), json_schema=stage.llm_schema(), max_tokens=stage.max_tokens)
+        calls: list[CallRecord] = []
+        started = time.perf_counter()
+        retrying = AsyncRetrying(
+            retry=retry_if_exception(lambda e: isinstance(e, LLMError) and e.retryable),
+            stop=stop_after_attempt(self.max_attempts) | stop_after_delay(self.max_retry_s),
+            wait=wait_random_exponential(multiplier=0.5, max=10),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    t0 = time.perf_counter()
+                    try:
+                        response = await self.llm.generate(request)
+                    except LLMError as exc:
+                        calls.append(self._record(document, stage.name, key, self.llm.model_id,
+                                                  "retry" if exc.retryable else "failed", 0, 0, 0.0,
+                                                  (time.perf_counter() - t0) * 1000, error=exc.reason))
+                        raise
+            cost = self.llm.cost(response.tokens_in, response.tokens_out)
+            latency = response.latency_ms or (time.perf_counter() - t0) * 1000
+            try:
+                output = stage.parse(response)
+            except OutputError as exc:
+                calls.append(self._record(document, stage.name, key, response.model, "failed",
+                                          response.tokens_in, response.tokens_out, cost, latency, error=exc.reason))
+                raise
+            calls.append(self._record(document, stage.name, key, response.model, "ok",
+                                      response.tokens_in, response.tokens_out, cost, latency))
+        except EtlError as exc:
+            raise StageFailed(exc, calls) from exc
+        entry = CacheEntry(
+            cache_key=key, tenant=document.tenant, stage=stage.name, fingerprint=plan.fingerprint,
+            output=output.model_dump(mode="json"), model=response.model, tokens_in=response.tokens_in,
+            tokens_out=response.tokens_out, cost=cost,
+        )
+        return Computed(entry=entry, calls=calls, attempts=len(calls),
+                        latency_ms=(time.perf_counter() - started) * 1000)
+
+    @staticmethod
+    def _record(document: Document, stage: str, key: str, model: str, outcome: Any, tokens_in: int,
+                tokens_out: int, cost: float, latency_ms: float, error: str | None = None) -> CallRecord:
+        return CallRecord(tenant=document.tenant, stage=stage, doc_key=document.key, cache_key=key, model=model,
+                          outcome=outcome, tokens_in=tokens_in, tokens_out=tokens_out, cost=cost,
+                          latency_ms=latency_ms, error=error)
+
+    @staticmethod
+    def _dead(document: Document, payload: bytes, stage: str, key: str | None, reason: str, detail: str,
+              raw: str | None, results: list[StageResult], typed: list[tuple[str, dict[str, Any]]],
+              calls: list[CallRecord], cache: list[CacheEntry]) -> DocumentOutcome:
+        letter = DeadLetter(position=document.position, reason=reason, detail=detail, payload=payload,
+                            tenant=document.tenant, doc_key=document.key, stage=stage, cache_key=key,
+                            raw_output=raw)
+        return DocumentOutcome(document=document, results=tuple(results), typed_rows=tuple(typed),
+                               calls=tuple(calls), cache=tuple(cache), dead_letter=letter)

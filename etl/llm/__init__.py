@@ -1,0 +1,6 @@
+"""LLM backends behind one async interface."""
+
+from etl.llm.base import LLM, LLMRequest, LLMResponse
+from etl.llm.local import LocalLLM
+
+__all__ = ["LLM", "LLMRequest", "LLMResponse", "LocalLLM"]

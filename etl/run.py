@@ -1,0 +1,44 @@
+"""Wiring: settings + a pipeline → store, model and runner. What the CLI and tests call."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from connectors.store import SqlStore
+from etl.llm.base import LLM
+from etl.pipeline import Pipeline
+from etl.runner import Runner, RunStats
+from etl.settings import Settings
+
+
+def database_url(pipeline: Pipeline | None, settings: Settings) -> str:
+    """The pipeline's own store URL if it names one, else the ``ETL_DATABASE_URL`` setting."""
+    if pipeline is not None and pipeline.store:
+        return pipeline.store
+    return settings.database_url.get_secret_value()
+
+
+def default_llm(settings: Settings) -> LLM:
+    from etl.llm.local import LocalLLM  # noqa: PLC0415 - loads llama.cpp lazily
+
+    return LocalLLM(settings.model_path, threads=settings.model_threads)
+
+
+def build_runner(pipeline: Pipeline, settings: Settings | None = None, *, llm: LLM | None = None,
+                 store_url: str | None = None, on_progress: Callable[[RunStats], None] | None = None) -> Runner:
+    settings = settings or Settings()
+    store = SqlStore(store_url or database_url(pipeline, settings))
+    return Runner(
+        pipeline, store, llm or pipeline.llm or default_llm(settings),
+        max_in_flight=settings.max_in_flight, flush_size=settings.flush_size,
+        flush_interval_s=settings.flush_interval_s, on_progress=on_progress,
+    )
+
+
+async def run_pipeline(pipeline: Pipeline, settings: Settings | None = None, **kwargs: object) -> RunStats:
+    """Runs ``pipeline`` to the end of its source and returns the counts."""
+    runner = build_runner(pipeline, settings, **kwargs)  # type: ignore[arg-type]
+    try:
+        return await runner.run()
+    finally:
+        await runner.llm.aclose()

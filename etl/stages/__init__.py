@@ -1,0 +1,7 @@
+"""Stages: pure prompt rendering and output validation; the runner does the I/O."""
+
+from etl.stages.base import Outputs, Predicate, Stage
+from etl.stages.classify import Classify, LabelIn, label_in
+from etl.stages.extract import Extract
+
+__all__ = ["Classify", "Extract", "LabelIn", "Outputs", "Predicate", "Stage", "label_in"]

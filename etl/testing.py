@@ -1,0 +1,102 @@
+"""Fakes that ship with idem-etl, for tests of pipelines that must not need a real model.
+
+``FakeLLM`` stands in for a *remote* model only: deterministic answers, scriptable latency and
+faults, and a record of every call, so a test can assert "the second run made zero calls".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import Callable
+from typing import Any
+
+from connectors.sources import ListSource
+from dedup import sha256_hex
+from etl.llm.base import LLM, LLMRequest, LLMResponse
+
+Answer = Callable[[LLMRequest], str | dict[str, Any]]
+Fault = Callable[[LLMRequest, int], Exception | None]
+
+
+def _fill(schema: dict[str, Any], seed: str, defs: dict[str, Any]) -> Any:
+    """A deterministic value that matches a JSON schema (the subset pydantic models produce)."""
+    if "$ref" in schema:
+        return _fill(defs[schema["$ref"].split("/")[-1]], seed, defs)
+    if "enum" in schema:
+        return schema["enum"][int(sha256_hex(seed), 16) % len(schema["enum"])]
+    if "anyOf" in schema:
+        return _fill(next(s for s in schema["anyOf"] if s.get("type") != "null"), seed, defs)
+    kind = schema.get("type")
+    if kind == "object":
+        return {name: _fill(sub, f"{seed}/{name}", defs) for name, sub in schema.get("properties", {}).items()}
+    if kind == "array":
+        return [_fill(schema.get("items", {}), f"{seed}/0", defs)]
+    if kind in ("number", "integer"):
+        value = int(sha256_hex(seed)[:6], 16) % 1000
+        return value if kind == "integer" else value / 10
+    if kind == "boolean":
+        return int(sha256_hex(seed)[:2], 16) % 2 == 0
+    if schema.get("format") == "date":
+        return "2024-01-%02d" % (int(sha256_hex(seed)[:2], 16) % 28 + 1)
+    return f"value-{sha256_hex(seed)[:8]}"
+
+
+def schema_answer(request: LLMRequest) -> dict[str, Any]:
+    """The default answer: a valid object chosen by a hash of the prompt (same prompt, same answer)."""
+    seed = json.dumps(request.messages, sort_keys=True)
+    return _fill(request.json_schema, seed, request.json_schema.get("$defs", {}))
+
+
+class FakeLLM(LLM):
+    """A scripted model.
+
+    Args:
+        answer: Makes the answer text (or a dict, sent as JSON) for a request.
+        latency_s: Seconds per call, or a callable drawing one (e.g. :func:`lognormal`).
+        fault: Called with (request, call number); an exception it returns is raised instead of
+            answering (e.g. a ``TransientLLMError`` for the first two calls).
+        model_id: What the fingerprint and provenance record; change it to simulate a new model.
+    """
+
+    def __init__(self, answer: Answer = schema_answer, *, latency_s: float | Callable[[], float] = 0.0,
+                 fault: Fault | None = None, model_id: str = "fake-llm", tokens: tuple[int, int] = (100, 20),
+                 price_per_mtok: tuple[float, float] = (0.0, 0.0)) -> None:
+        self.answer = answer
+        self.latency_s = latency_s
+        self.fault = fault
+        self.model_id = model_id
+        self.params = {"temperature": 0}
+        self.tokens = tokens
+        self.price_per_mtok = price_per_mtok
+        self.calls: list[LLMRequest] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    async def generate(self, request: LLMRequest) -> LLMResponse:
+        number = len(self.calls)
+        self.calls.append(request)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            delay = self.latency_s() if callable(self.latency_s) else self.latency_s
+            if delay:
+                await asyncio.sleep(delay)
+            if self.fault is not None and (error := self.fault(request, number)) is not None:
+                raise error
+            answer = self.answer(request)
+            text = answer if isinstance(answer, str) else json.dumps(answer)
+            return LLMResponse(text=text, model=self.model_id, tokens_in=self.tokens[0], tokens_out=self.tokens[1],
+                               latency_ms=delay * 1000)
+        finally:
+            self.in_flight -= 1
+
+
+def lognormal(median_s: float, sigma: float = 0.5, seed: int = 0) -> Callable[[], float]:
+    """Latencies with the long right tail real providers have."""
+    rng = random.Random(seed)
+    return lambda: rng.lognormvariate(0, sigma) * median_s
+
+
+__all__ = ["FakeLLM", "ListSource", "lognormal", "schema_answer"]

@@ -1,0 +1,53 @@
+"""Which offsets are safe to commit when work finishes out of order: the contiguous low-watermark."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from schemas import Position
+
+PartitionKey = tuple[str, int]
+
+
+class OffsetTracker:
+    """Per partition: offsets handed out, offsets finished, and the next offset whose every
+    predecessor is finished. Only that watermark is ever written or committed, so a crash can
+    redeliver finished work (a no-op) but never skip unfinished work."""
+
+    def __init__(self) -> None:
+        self._dispatched: dict[PartitionKey, deque[int]] = {}
+        self._done: dict[PartitionKey, set[int]] = {}
+        self._next: dict[PartitionKey, int] = {}
+        self._dirty: set[PartitionKey] = set()
+
+    def dispatch(self, position: Position) -> None:
+        """Records an offset as in flight. Offsets of one partition must arrive in increasing order."""
+        key = (position.stream, position.partition)
+        self._dispatched.setdefault(key, deque()).append(position.offset)
+
+    def complete(self, position: Position) -> None:
+        key = (position.stream, position.partition)
+        done = self._done.setdefault(key, set())
+        done.add(position.offset)
+        queue = self._dispatched[key]
+        while queue and queue[0] in done:
+            offset = queue.popleft()
+            done.discard(offset)
+            self._next[key] = offset + 1
+            self._dirty.add(key)
+
+    def take_watermarks(self) -> dict[PartitionKey, int]:
+        """Next offsets of the partitions that moved since the last call."""
+        moved = {key: self._next[key] for key in self._dirty}
+        self._dirty.clear()
+        return moved
+
+    def forget(self, key: PartitionKey) -> None:
+        """Drops a partition (revoked in a rebalance): its in-flight offsets will be redelivered."""
+        for table in (self._dispatched, self._done, self._next):
+            table.pop(key, None)  # type: ignore[attr-defined]
+        self._dirty.discard(key)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(len(q) for q in self._dispatched.values())

@@ -1,0 +1,73 @@
+"""What a stage produces, and the records that make every row explain itself (invariant 6)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from schemas.document import Position
+
+CallOutcome = Literal["ok", "cache_hit", "retry", "repair", "failed"]
+
+
+class Provenance(BaseModel):
+    """Everything needed to tell how a result was made and what it cost."""
+
+    model_config = ConfigDict(frozen=True)
+
+    fingerprint: str
+    cache_key: str
+    model: str
+    prompt_hash: str
+    schema_hash: str
+    cache_hit: bool
+    attempts: int
+    tokens_in: int
+    tokens_out: int
+    cost: float
+    latency_ms: float
+
+
+class StageResult(BaseModel):
+    """One validated output of one stage for one document."""
+
+    model_config = ConfigDict(frozen=True)
+
+    stage: str
+    output: dict[str, Any]
+    provenance: Provenance
+
+
+class CallRecord(BaseModel):
+    """One LLM attempt (or a cache hit and what it saved), as written to ``llm_calls``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    tenant: str
+    stage: str
+    doc_key: str
+    cache_key: str
+    model: str
+    outcome: CallOutcome
+    tokens_in: int
+    tokens_out: int
+    cost: float
+    latency_ms: float
+    error: str | None = None
+
+
+class DeadLetter(BaseModel):
+    """A message that ended without results: its original bytes and a typed reason."""
+
+    model_config = ConfigDict(frozen=True)
+
+    position: Position
+    reason: str
+    detail: str
+    payload: bytes
+    tenant: str | None = None
+    doc_key: str | None = None
+    stage: str | None = None
+    cache_key: str | None = None
+    raw_output: str | None = None
