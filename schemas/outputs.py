@@ -15,7 +15,7 @@ class Classification(BaseModel):
 class Receipt(BaseModel):
     """The four key fields of a retail receipt (as in the SROIE challenge)."""
 
-    company: str = Field(description="the shop or company that issued the receipt")
-    date: str = Field(description="the receipt date, as printed")
-    address: str = Field(description="the shop address")
+    company: str = Field(max_length=80, description="the shop or company that issued the receipt")
+    date: str = Field(max_length=24, description="the receipt date, as printed")
+    address: str = Field(max_length=160, description="the shop address")
     total: float = Field(description="the total amount paid", ge=0)

@@ -8,6 +8,7 @@ we call llama.cpp ourselves so token counts and ``finish_reason`` come back as l
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
 import threading
@@ -16,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from dedup import canonical_json
 from etl.errors import ConfigError, ContextOverflow, LLMError
 from etl.llm.base import LLM, LLMRequest, LLMResponse
 
@@ -32,12 +34,18 @@ def default_model_path() -> Path:
     return found[0]
 
 
+@ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+def _quiet_log(level: int, text: bytes, user_data: int) -> None:
+    """Drops llama.cpp's log lines (kept at module level so the callback outlives every model)."""
+
+
 class LocalLLM(LLM):
     """llama.cpp in-process. One model, one thread: calls are serialised (llama.cpp contexts are not
     thread-safe), and since documents end the prompt, consecutive calls of a stage reuse the KV cache
     of their shared prefix."""
 
-    def __init__(self, model_path: str | Path | None = None, *, n_ctx: int = 4096, threads: int | None = None) -> None:
+    def __init__(self, model_path: str | Path | None = None, *, n_ctx: int = 4096, threads: int | None = None,
+                 repeat_penalty: float = 1.3) -> None:
         self.path = Path(model_path) if model_path else default_model_path()
         if not self.path.is_file():
             raise ConfigError(f"model file {self.path} does not exist; set ETL_MODEL_PATH to a .gguf file")
@@ -45,7 +53,11 @@ class LocalLLM(LLM):
         self.threads = threads or os.cpu_count() or 1
         # The file's name and size identify the weights cheaply; greedy decoding makes them the output.
         self.model_id = f"{self.path.stem}@{self.path.stat().st_size}"
-        self.params = {"decoding": "greedy", "n_ctx": n_ctx, "constraint": "outlines-json-schema"}
+        # A repeat penalty keeps small models from looping inside a string ("1.1.1.1...") until the
+        # token limit; greedy decoding stays deterministic with it.
+        self.repeat_penalty = repeat_penalty
+        self.params = {"decoding": "greedy", "repeat_penalty": repeat_penalty, "n_ctx": n_ctx,
+                       "constraint": "outlines-json-schema"}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama")
         self._lock = threading.Lock()
         self._llama: Any = None
@@ -53,11 +65,13 @@ class LocalLLM(LLM):
         self._indexes: dict[str, Any] = {}
 
     def _load(self) -> None:
-        from llama_cpp import Llama  # noqa: PLC0415 - heavy; loaded on first use only
+        import llama_cpp  # noqa: PLC0415 - heavy; loaded on first use only
         import outlines  # noqa: PLC0415
         from outlines.backends.outlines_core import OutlinesCoreBackend  # noqa: PLC0415
 
-        self._llama = Llama(model_path=str(self.path), n_ctx=self.n_ctx, n_threads=self.threads,
+        # llama.cpp writes its own notices to stderr even with verbose=False; keep the terminal ours.
+        llama_cpp.llama_log_set(_quiet_log, ctypes.c_void_p(0))
+        self._llama = llama_cpp.Llama(model_path=str(self.path), n_ctx=self.n_ctx, n_threads=self.threads,
                             seed=0, verbose=False)
         self._backend = OutlinesCoreBackend(outlines.from_llamacpp(self._llama))
 
@@ -66,11 +80,13 @@ class LocalLLM(LLM):
         from outlines_core import Index  # noqa: PLC0415
         from outlines_core.json_schema import build_regex_from_schema  # noqa: PLC0415
 
-        text = json.dumps(schema, sort_keys=True)
-        index = self._indexes.get(text)
+        # Property order is kept (it is the order the model writes fields in); the cache key is canonical.
+        key = canonical_json(schema)
+        index = self._indexes.get(key)
         if index is None:
             # Building the index walks the whole vocabulary; do it once per schema.
-            index = self._indexes[text] = Index(build_regex_from_schema(text, r"[ ]?"), self._backend.vocabulary)
+            index = self._indexes[key] = Index(build_regex_from_schema(json.dumps(schema), r"[ ]?"),
+                                               self._backend.vocabulary)
         return OutlinesCoreLogitsProcessor(index, "numpy")
 
     def generate_sync(self, request: LLMRequest, constrained: bool = True) -> LLMResponse:
@@ -87,6 +103,7 @@ class LocalLLM(LLM):
                     request.messages,
                     logits_processor=LogitsProcessorList([processor]) if processor else None,
                     temperature=0.0,
+                    repeat_penalty=self.repeat_penalty,
                     max_tokens=request.max_tokens,
                 )
             except ValueError as exc:

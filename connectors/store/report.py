@@ -1,0 +1,47 @@
+"""Read-only summaries of the store, for ``etl status``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Engine, case, func, inspect, select
+
+from connectors.store.tables import dead_letters, documents, llm_calls, source_positions, stage_results
+
+
+def status(engine: Engine, pipeline: str | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Per pipeline: documents and results per stage, calls and spend, dead letters, positions.
+    Empty lists when the store has never been migrated."""
+    if not inspect(engine).has_table("stage_results"):
+        return {"stages": [], "calls": [], "dead_letters": [], "positions": [], "documents": []}
+
+    def where(table: Any) -> Any:
+        return table.c.pipeline == pipeline if pipeline else True
+
+    queries = {
+        "documents": select(documents.c.pipeline, documents.c.tenant, func.count().label("documents"))
+        .where(where(documents)).group_by(documents.c.pipeline, documents.c.tenant)
+        .order_by(documents.c.pipeline, documents.c.tenant),
+        "stages": select(
+            stage_results.c.pipeline, stage_results.c.stage, func.count().label("results"),
+            func.sum(case((stage_results.c.cache_hit, 1), else_=0)).label("from_cache"),
+        ).where(where(stage_results)).group_by(stage_results.c.pipeline, stage_results.c.stage)
+        .order_by(stage_results.c.pipeline, stage_results.c.stage),
+        "calls": select(
+            llm_calls.c.pipeline, llm_calls.c.stage, llm_calls.c.model, llm_calls.c.outcome,
+            func.count().label("calls"), func.sum(llm_calls.c.tokens_in).label("tokens_in"),
+            func.sum(llm_calls.c.tokens_out).label("tokens_out"), func.sum(llm_calls.c.cost).label("cost"),
+        ).where(where(llm_calls)).group_by(llm_calls.c.pipeline, llm_calls.c.stage, llm_calls.c.model,
+                                            llm_calls.c.outcome)
+        .order_by(llm_calls.c.pipeline, llm_calls.c.stage, llm_calls.c.outcome),
+        "dead_letters": select(dead_letters.c.pipeline, dead_letters.c.reason, dead_letters.c.status,
+                               func.count().label("count"))
+        .where(where(dead_letters)).group_by(dead_letters.c.pipeline, dead_letters.c.reason, dead_letters.c.status)
+        .order_by(dead_letters.c.pipeline, dead_letters.c.reason),
+        "positions": select(source_positions.c.pipeline, source_positions.c.stream, source_positions.c.partition,
+                            source_positions.c.next_offset)
+        .where(where(source_positions))
+        .order_by(source_positions.c.pipeline, source_positions.c.stream, source_positions.c.partition),
+    }
+    with engine.connect() as conn:
+        return {name: [dict(row) for row in conn.execute(query).mappings()] for name, query in queries.items()}

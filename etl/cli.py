@@ -1,0 +1,169 @@
+"""The ``etl`` command: run a pipeline, show status, migrate the store."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from sqlalchemy.engine import make_url
+
+from etl.errors import EtlError
+from etl.log import configure
+from etl.settings import Settings
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="idem-etl: idempotent LLM batch ETL.")
+db_app = typer.Typer(no_args_is_help=True, help="The store's schema.")
+app.add_typer(db_app, name="db")
+console = Console(stderr=True)
+out = Console()
+
+DbOption = Annotated[str | None, typer.Option("--db", help="SQLAlchemy URL; default: the pipeline's, then ETL_DATABASE_URL.")]
+
+
+def _fail(message: str, code: int = 1) -> None:
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def _safe(url: str) -> str:
+    return make_url(url).render_as_string(hide_password=True)
+
+
+@app.command()
+def run(
+    pipeline: Annotated[str, typer.Argument(help="path/to/pipeline.py, file.py:attr or package.module:attr")],
+    db: DbOption = None,
+) -> None:
+    """Run PIPELINE to the end of its source. Re-running is free: processed documents are no-ops."""
+    from etl.pipeline import load_pipeline  # noqa: PLC0415
+    from etl.run import build_runner, database_url  # noqa: PLC0415
+
+    settings = Settings()
+    configure(settings.log_level if settings.log_level != "info" else "warning", settings.log_json)
+    try:
+        loaded = load_pipeline(pipeline)
+        url = db or database_url(loaded, settings)
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                      console=console, transient=False) as progress:
+            task = progress.add_task(f"{loaded.name}: starting")
+
+            def show(stats: Any) -> None:
+                elapsed = max(1e-9, stats_elapsed(stats))
+                progress.update(task, description=(
+                    f"{loaded.name}: {stats.messages} docs · {stats.messages / elapsed:.1f} docs/s · "
+                    f"hit rate {stats.hit_rate:.0%} · LLM calls {stats.llm_calls} · dead letters "
+                    f"{stats.dead_letters}"))
+
+            runner = build_runner(loaded, settings, store_url=url, on_progress=show)
+            stats = asyncio.run(_run_until_signalled(runner))
+            show(stats)
+    except EtlError as exc:
+        _fail(str(exc))
+    _summary(loaded.name, _safe(url), stats)
+
+
+def stats_elapsed(stats: Any) -> float:
+    import time  # noqa: PLC0415
+
+    return stats.elapsed_s or (time.perf_counter() - stats.started)
+
+
+async def _run_until_signalled(runner: Any) -> Any:
+    """First SIGINT/SIGTERM: stop polling, finish in-flight work, commit. Second: exit at once —
+    still safe, since nothing uncommitted is ever counted as done."""
+    loop = asyncio.get_running_loop()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            os._exit(130)
+        console.print("stopping: finishing in-flight documents (signal again to exit now)")
+        runner.stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        return await runner.run()
+    finally:
+        await runner.llm.aclose()
+
+
+def _summary(name: str, url: str, stats: Any) -> None:
+    table = Table(title=f"{name} → {url}", show_header=False, title_justify="left")
+    rows = [
+        ("documents read", f"{stats.messages}"),
+        ("stage runs", f"{stats.stage_runs}"),
+        ("  already stored (no-op)", f"{stats.stored_hits}"),
+        ("  from cache", f"{stats.cache_hits}"),
+        ("LLM calls", f"{stats.llm_calls}"),
+        ("cache hit rate", f"{stats.hit_rate:.1%}"),
+        ("results written", f"{stats.results_written}"),
+        ("dead letters", f"{stats.dead_letters}"),
+        ("elapsed", f"{stats.elapsed_s:.1f} s ({stats.messages / max(stats.elapsed_s, 1e-9):.1f} docs/s)"),
+    ]
+    for label, value in rows:
+        table.add_row(label, value)
+    out.print(table)
+
+
+@app.command()
+def status(
+    pipeline: Annotated[str | None, typer.Option("--pipeline", "-p", help="Only this pipeline (by name).")] = None,
+    db: DbOption = None,
+) -> None:
+    """Documents, results per stage, LLM calls and spend, dead letters, stored positions."""
+    from connectors.store import make_engine  # noqa: PLC0415
+    from connectors.store.report import status as report  # noqa: PLC0415
+
+    url = db or Settings().database_url.get_secret_value()
+    try:
+        found = report(make_engine(url), pipeline)
+    except Exception as exc:  # noqa: BLE001 - any database failure is one line for the user
+        _fail(f"cannot read {_safe(url)}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+    if not any(found.values()):
+        out.print(f"{_safe(url)}: nothing processed yet")
+        return
+    titles = {"documents": "Documents", "stages": "Results per stage", "calls": "LLM calls",
+              "dead_letters": "Dead letters", "positions": "Stored positions"}
+    for name, rows in found.items():
+        if not rows:
+            continue
+        table = Table(title=titles[name], title_justify="left")
+        for column in rows[0]:
+            table.add_column(column, justify="right" if isinstance(rows[0][column], (int, float)) else "left")
+        for row in rows:
+            table.add_row(*[f"{v:.6f}" if isinstance(v, float) else str(v) for v in row.values()])
+        out.print(table)
+
+
+@db_app.command("upgrade")
+def db_upgrade(db: DbOption = None) -> None:
+    """Create or migrate the store's tables to the latest revision."""
+    from connectors.store import make_engine, upgrade  # noqa: PLC0415
+
+    url = db or Settings().database_url.get_secret_value()
+    try:
+        upgrade(make_engine(url))
+    except Exception as exc:  # noqa: BLE001
+        _fail(f"cannot migrate {_safe(url)}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+    out.print(f"{_safe(url)}: schema is at the latest revision")
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

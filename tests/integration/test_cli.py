@@ -1,0 +1,74 @@
+"""The etl command: a run and its no-op re-run, status, migrations, and one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from etl.cli import app
+from tests.helpers import counts
+
+PIPELINE = '''
+from etl import Classify, Pipeline
+from etl.testing import FakeLLM
+pipeline = Pipeline("cli", {source!r}, [Classify(["a", "b"], "Pick one.")], llm=FakeLLM())
+'''
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    (tmp_path / "in.jsonl").write_text('{"id": "1", "text": "one"}\n{oops\n{"id": "2", "text": "two"}\n')
+    (tmp_path / "p.py").write_text(PIPELINE.format(source=str(tmp_path / "in.jsonl")))
+    return tmp_path
+
+
+def invoke(*args: str, url: str) -> object:
+    return CliRunner().invoke(app, list(args), env={"ETL_DATABASE_URL": url})
+
+
+def test_run_then_rerun_is_a_no_op(project: Path, sqlite_url: str) -> None:
+    first = invoke("run", str(project / "p.py"), url=sqlite_url)
+    assert first.exit_code == 0, first.output  # type: ignore[attr-defined]
+    assert "LLM calls" in first.output  # type: ignore[attr-defined]
+    before = counts(sqlite_url)
+    assert before["stage_results"] == 2 and before["dead_letters"] == 1
+    second = invoke("run", str(project / "p.py"), url=sqlite_url)
+    assert second.exit_code == 0
+    assert "100.0%" in second.output  # type: ignore[attr-defined]
+    assert counts(sqlite_url) == before
+    status = invoke("status", url=sqlite_url)
+    assert status.exit_code == 0 and "bad_input" in status.output and "classify" in status.output  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("missing.py", "does not exist"),
+        ("no.such.module:pipeline", "cannot import module"),
+        ("broken.py", "failed to load: NameError"),
+        ("badlabel.py", "unknown label(s) ['c']"),
+        ("nofile.py", "does not exist or is not a file"),
+    ],
+)
+def test_user_errors_are_one_clear_line(project: Path, sqlite_url: str, target: str, message: str) -> None:
+    (project / "broken.py").write_text("pipeline = Pipelin()\n")
+    (project / "badlabel.py").write_text(
+        "from etl import Classify, Extract, Pipeline, Receipt, label_in\n"
+        "pipeline = Pipeline('x', 'in.jsonl', [Classify(['a', 'b'], name='k'), Extract(Receipt, when=label_in('k', 'c'))])\n"
+    )
+    (project / "nofile.py").write_text(PIPELINE.format(source=str(project / "nowhere.jsonl")))
+    path = target if ":" in target else str(project / target)
+    result = invoke("run", path, url=sqlite_url)
+    assert result.exit_code != 0  # type: ignore[attr-defined]
+    assert message in result.output, result.output  # type: ignore[attr-defined]
+    assert "Traceback" not in result.output  # type: ignore[attr-defined]
+
+
+def test_db_upgrade_and_status_on_empty_store(sqlite_url: str) -> None:
+    assert "nothing processed yet" in invoke("status", url=sqlite_url).output  # type: ignore[attr-defined]
+    result = invoke("db", "upgrade", url=sqlite_url)
+    assert result.exit_code == 0 and "latest revision" in result.output  # type: ignore[attr-defined]
+    assert counts(sqlite_url) == {t: 0 for t in counts(sqlite_url)}
+    assert len(counts(sqlite_url)) == 6

@@ -1,0 +1,169 @@
+"""The promise on the embedded path and on PostgreSQL: re-runs cost nothing and write nothing,
+edits re-run only what they change, duplicates share one call, bad input never stops a run."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, Field
+
+from etl import Classify, Extract, Pipeline, label_in, run_pipeline
+from etl.testing import FakeLLM, ListSource
+from tests.helpers import counts, rows
+
+LABELS = ["invoice", "receipt", "complaint", "question"]
+
+
+class Amount(BaseModel):
+    amount: float = Field(ge=0)
+    currency: str
+
+
+def corpus(n: int = 200, duplicate_share: float = 0.0, seed: int = 7) -> list[dict[str, str]]:
+    """``n`` documents over two tenants; ``duplicate_share`` of them repeat an earlier text."""
+    rng = random.Random(seed)
+    docs: list[dict[str, str]] = []
+    for i in range(n):
+        if docs and rng.random() < duplicate_share:
+            text = rng.choice(docs)["text"]
+        else:
+            text = f"document {i}: {rng.choice(['pay', 'refund', 'why', 'total'])} {rng.randint(1, 10**6)}"
+        docs.append({"id": f"doc-{i:04d}", "tenant": ["acme", "globex"][i % 2], "text": text})
+    return docs
+
+
+def pipeline(source: ListSource | Path, url: str, extract_instructions: str = "Extract the amount.") -> Pipeline:
+    return Pipeline(
+        "test",
+        source,
+        [
+            Classify(LABELS, "What kind of document is this?", name="kind"),
+            Extract(Amount, extract_instructions, when=label_in("kind", "invoice", "receipt")),
+        ],
+        store=url,
+    )
+
+
+def results_snapshot(url: str) -> list[tuple[Any, ...]]:
+    """Results with their JSON output decoded (SQLite returns text, PostgreSQL a dict)."""
+    found = rows(url, "SELECT tenant, doc_key, stage, cache_key, output FROM stage_results ORDER BY 1, 2, 3")
+    return [(*r[:4], json.loads(r[4]) if isinstance(r[4], str) else r[4]) for r in found]
+
+
+async def test_second_run_makes_no_call_and_writes_no_row(store_url: str) -> None:
+    docs = corpus(200)
+    first = FakeLLM()
+    stats = await run_pipeline(pipeline(ListSource(docs), store_url), llm=first)
+    applies = sum(1 for r in results_snapshot(store_url) if r[2] == "kind" and r[4]["label"] in ("invoice", "receipt"))
+    assert stats.messages == 200 and stats.dead_letters == 0
+    assert len(first.calls) == stats.llm_calls == 200 + applies
+    assert 0 < applies < 200
+    before, snapshot = counts(store_url), results_snapshot(store_url)
+    assert before["stage_results"] == 200 + applies
+    assert before["source_positions"] == 1
+
+    second = FakeLLM()
+    stats = await run_pipeline(pipeline(ListSource(docs), store_url), llm=second)
+    assert len(second.calls) == 0 and stats.llm_calls == 0
+    assert stats.hit_rate == 1.0 and stats.results_written == 0
+    assert counts(store_url) == before
+    assert results_snapshot(store_url) == snapshot
+
+
+async def test_editing_one_stage_reruns_that_stage_only(sqlite_url: str) -> None:
+    docs = corpus(120)
+    await run_pipeline(pipeline(ListSource(docs), sqlite_url), llm=FakeLLM())
+    applies = rows(sqlite_url, "SELECT count(*) FROM stage_results WHERE stage = 'amount'")[0][0]
+    llm = FakeLLM()
+    stats = await run_pipeline(pipeline(ListSource(docs), sqlite_url, "Extract the total amount paid."), llm=llm)
+    assert len(llm.calls) == applies
+    assert all("total amount paid" in call.messages[0]["content"] for call in llm.calls)
+    assert stats.results_written == applies
+    # The rows were replaced, not duplicated.
+    assert rows(sqlite_url, "SELECT count(*) FROM stage_results WHERE stage = 'amount'")[0][0] == applies
+    assert rows(sqlite_url, "SELECT count(*) FROM amount")[0][0] == applies
+
+
+async def test_duplicate_contents_share_one_call_per_tenant(store_url: str) -> None:
+    docs = corpus(300, duplicate_share=0.5)
+    unique = {(d["tenant"], d["text"]) for d in docs}
+    llm = FakeLLM(latency_s=0.002)
+    stats = await run_pipeline(pipeline(ListSource(docs), store_url), llm=llm)
+    classify_calls = [c for c in llm.calls if "What kind" in c.messages[0]["content"]]
+    assert len(classify_calls) == len(unique)  # one call per unique (tenant, content), never two
+    assert counts(store_url)["stage_results"] == stats.stage_runs  # but one result per document
+    hits = rows(store_url, "SELECT count(*) FROM llm_calls WHERE outcome = 'cache_hit'")[0][0]
+    assert hits == stats.cache_hits > 0
+
+
+async def test_same_content_in_two_tenants_is_two_calls(sqlite_url: str) -> None:
+    docs = [{"id": "a", "tenant": "acme", "text": "same"}, {"id": "b", "tenant": "globex", "text": "same"}]
+    llm = FakeLLM()
+    await run_pipeline(Pipeline("t", ListSource(docs), [Classify(LABELS)], store=sqlite_url), llm=llm)
+    assert len(llm.calls) == 2
+
+
+async def test_redelivery_within_one_run_is_a_no_op(sqlite_url: str) -> None:
+    doc = {"id": "x", "text": "document repeated by an at-least-once source"}
+    llm = FakeLLM(latency_s=0.01)
+    stats = await run_pipeline(Pipeline("t", ListSource([doc] * 5), [Classify(LABELS)], store=sqlite_url), llm=llm)
+    assert len(llm.calls) == 1 and stats.messages == 5
+    assert counts(sqlite_url)["stage_results"] == 1
+    assert counts(sqlite_url)["llm_calls"] == 1  # the repeats are not cache hits of a new document
+
+
+async def test_bad_lines_become_dead_letters_and_the_run_goes_on(tmp_path: Path, sqlite_url: str) -> None:
+    f = tmp_path / "in.jsonl"
+    f.write_bytes(b'{"id": "1", "text": "good one"}\n{bad json\n\xff\xfe\n{"id": "2"}\n{"id": "3", "text": "good two"}\n')
+    p = Pipeline("t", f, [Classify(LABELS)], store=sqlite_url)
+    stats = await run_pipeline(p, llm=FakeLLM())
+    assert stats.messages == 5 and stats.dead_letters == 3 and stats.results_written == 2
+    letters = rows(sqlite_url, "SELECT message_offset, reason, detail, payload FROM dead_letters ORDER BY 1")
+    assert [(o, r) for o, r, _, _ in letters] == [(1, "bad_input"), (2, "bad_input"), (3, "bad_input")]
+    assert bytes(letters[1][3]) == b"\xff\xfe"  # original bytes kept
+    assert "JSON" in letters[0][2] and "UTF-8" in letters[1][2] and "'text'" in letters[2][2]
+    before = counts(sqlite_url)
+    again = await run_pipeline(Pipeline("t", f, [Classify(LABELS)], store=sqlite_url), llm=FakeLLM())
+    assert again.llm_calls == 0 and counts(sqlite_url) == before
+    # in == results + dead letters
+    assert stats.messages == before["documents"] + before["dead_letters"]
+
+
+async def test_terminal_model_failure_is_a_dead_letter_and_not_retried_on_redelivery(sqlite_url: str) -> None:
+    docs = [{"id": "1", "text": "fine"}, {"id": "2", "text": "model answers nonsense"}]
+    llm = FakeLLM(answer=lambda r: "nonsense" if "nonsense" in r.messages[-1]["content"] else {"label": "invoice"})
+    stats = await run_pipeline(Pipeline("t", ListSource(docs), [Classify(LABELS)], store=sqlite_url), llm=llm)
+    assert stats.dead_letters == 1 and stats.results_written == 1
+    assert rows(sqlite_url, "SELECT doc_key, reason, raw_output FROM dead_letters") == [("2", "schema_invalid", "nonsense")]
+    assert rows(sqlite_url, "SELECT count(*) FROM llm_cache")[0][0] == 1  # only validated outputs are cached
+    again = FakeLLM(answer=llm.answer)
+    await run_pipeline(Pipeline("t", ListSource(docs), [Classify(LABELS)], store=sqlite_url), llm=again)
+    assert again.calls == []
+
+
+async def test_transient_failures_are_retried_and_every_attempt_recorded(sqlite_url: str) -> None:
+    from etl import TransientLLMError
+
+    llm = FakeLLM(fault=lambda r, n: TransientLLMError("429") if n < 2 else None)
+    p = Pipeline("t", ListSource([{"id": "1", "text": "hello"}]), [Classify(LABELS)], store=sqlite_url)
+    stats = await run_pipeline(p, llm=llm)
+    assert stats.results_written == 1 and len(llm.calls) == 3
+    assert rows(sqlite_url, "SELECT outcome FROM llm_calls ORDER BY id") == [("retry",), ("retry",), ("ok",)]
+    assert rows(sqlite_url, "SELECT attempts FROM stage_results") == [(3,)]
+
+
+@pytest.mark.parametrize("in_flight", [1, 64])
+async def test_results_do_not_depend_on_concurrency(in_flight: int, sqlite_url: str) -> None:
+    from etl.run import build_runner
+    from etl.settings import Settings
+
+    docs = corpus(150, duplicate_share=0.3)
+    runner = build_runner(pipeline(ListSource(docs), sqlite_url), Settings(max_in_flight=in_flight, flush_size=17),
+                          llm=FakeLLM(latency_s=lambda: random.random() / 500))
+    await runner.run()
+    assert rows(sqlite_url, "SELECT count(DISTINCT doc_key) FROM stage_results WHERE stage = 'kind'")[0][0] == 150
+    assert rows(sqlite_url, "SELECT next_offset FROM source_positions") == [(150,)]
