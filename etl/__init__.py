@@ -6,6 +6,7 @@ from etl import Pipeline, Classify, Extract, label_in
 """
 
 from connectors.sources import DirectorySource, JsonlSource, ListSource, Source
+from connectors.sources.kafka import KafkaSource
 from etl.decode import Decoder
 from etl.errors import (
     BadInput,
@@ -42,6 +43,7 @@ __all__ = [
     "EtlError",
     "Extract",
     "JsonlSource",
+    "KafkaSource",
     "LLMError",
     "LLMRequest",
     "LLMResponse",

@@ -6,10 +6,11 @@ Pure of store I/O: it reads a :class:`Lookup` made before the batch and returns 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_random_exponential
@@ -47,12 +48,23 @@ class StagePlan:
 
 @dataclass
 class Computed:
-    """A fresh validated output and every attempt it took."""
+    """A validated output: fresh, with every attempt it took, or made by another worker."""
 
     entry: CacheEntry
     calls: list[CallRecord]
     attempts: int
     latency_ms: float
+    from_peer: bool = False
+
+
+class Peers(Protocol):
+    """Single-flight across workers on one store (see :class:`dedup.Claims`)."""
+
+    async def claim(self, key: str) -> bool:
+        """True if this worker may call the model for ``key`` now."""
+
+    async def cached(self, key: str) -> CacheEntry | None:
+        """The committed output for ``key``, if any worker has committed one."""
 
 
 class StageFailed(EtlError):
@@ -80,9 +92,11 @@ class Tally:
 class Executor:
     """Runs the stages of a pipeline for one document at a time (many concurrently)."""
 
-    def __init__(self, plans: Sequence[StagePlan], llm: LLM, max_attempts: int = 3, max_retry_s: float = 60.0) -> None:
+    def __init__(self, plans: Sequence[StagePlan], llm: LLM, peers: Peers | None = None, max_attempts: int = 3,
+                 max_retry_s: float = 60.0) -> None:
         self.plans = list(plans)
         self.llm = llm
+        self.peers = peers
         self.flights: SingleFlight[Computed] = SingleFlight()
         self.max_attempts = max_attempts
         self.max_retry_s = max_retry_s
@@ -125,13 +139,14 @@ class Executor:
             computed: Computed | None = None
             if entry is None:
                 try:
-                    computed, shared = await self.flights.do(key, lambda: self._compute(plan, document, key))
+                    computed, shared = await self.flights.do(key, lambda: self._claim_or_wait(plan, document, key))
                 except StageFailed as failed:
                     tally.llm_calls += len(failed.calls)
                     raw = getattr(failed.error, "raw", None)
                     return self._dead(document, payload, stage.name, key, failed.reason, str(failed.error), raw,
                                       results, typed, calls + failed.calls, cache), tally
                 entry = computed.entry
+                shared = shared or computed.from_peer
             output = stage.output_model.model_validate(entry.output)
             outputs[stage.name] = output
             if shared:
@@ -141,7 +156,7 @@ class Executor:
                                           entry.tokens_in, entry.tokens_out, entry.cost, 0.0))
                 attempts, latency = 0, 0.0
             else:
-                assert computed is not None
+                assert computed is not None  # noqa: S101 - only a fresh computation is unshared
                 tally.llm_calls += len(computed.calls)
                 calls.extend(computed.calls)
                 cache.append(entry)
@@ -163,6 +178,24 @@ class Executor:
             return DocumentOutcome(document=None), tally
         return DocumentOutcome(document=document, results=tuple(results), typed_rows=tuple(typed),
                                calls=tuple(calls), cache=tuple(cache)), tally
+
+    async def _claim_or_wait(self, plan: StagePlan, document: Document, key: str) -> Computed:
+        """Calls the model only while holding the key's claim; otherwise waits for the holder's
+        committed result (or for its lease to lapse, if it crashed)."""
+        if self.peers is None:
+            return await self._compute(plan, document, key)
+        delay = 0.05
+        while True:
+            entry = await self.peers.cached(key)
+            if entry is None and await self.peers.claim(key):
+                # The holder may have committed and released between the two looks: look once more.
+                entry = await self.peers.cached(key)
+                if entry is None:
+                    return await self._compute(plan, document, key)
+            if entry is not None:
+                return Computed(entry=entry, calls=[], attempts=0, latency_ms=0.0, from_peer=True)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     async def _compute(self, plan: StagePlan, document: Document, key: str) -> Computed:
         """Asks the model (retrying transient failures) and validates the answer. Raises StageFailed."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from connectors.sources.kafka import KafkaSource
 from connectors.store import SqlStore
 from etl.llm.base import LLM
 from etl.pipeline import Pipeline
@@ -25,13 +26,20 @@ def default_llm(settings: Settings) -> LLM:
 
 
 def build_runner(pipeline: Pipeline, settings: Settings | None = None, *, llm: LLM | None = None,
-                 store_url: str | None = None, on_progress: Callable[[RunStats], None] | None = None) -> Runner:
+                 store_url: str | None = None, idle_stop_s: float | None = None,
+                 on_progress: Callable[[RunStats], None] | None = None) -> Runner:
     settings = settings or Settings()
     store = SqlStore(store_url or database_url(pipeline, settings))
+    source = pipeline.source
+    if isinstance(source, KafkaSource):
+        source.bootstrap = source.bootstrap or settings.kafka_bootstrap
+        source.consumer_config.setdefault("session_timeout_ms", settings.kafka_session_timeout_ms)
+        source.consumer_config.setdefault("heartbeat_interval_ms", settings.kafka_session_timeout_ms // 4)
     return Runner(
         pipeline, store, llm or pipeline.llm or default_llm(settings),
         max_in_flight=settings.max_in_flight, flush_size=settings.flush_size,
-        flush_interval_s=settings.flush_interval_s, on_progress=on_progress,
+        flush_interval_s=settings.flush_interval_s, claim_lease_s=settings.claim_lease_s,
+        store_retry_s=settings.store_retry_s, idle_stop_s=idle_stop_s, on_progress=on_progress,
     )
 
 

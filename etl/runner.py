@@ -3,27 +3,32 @@
 Ordering that keeps the promise:
 1. Before any LLM call, the store is asked what it already has for the polled documents; a stored
    result with the same cache key makes that stage a no-op (a redelivery costs nothing).
-2. Results, cache entries, call records, dead letters and the positions they complete are written
-   in one transaction. Positions are the contiguous low-watermark per partition, so work that
-   finished out of order is never skipped by a crash.
-3. Only after that commit is the source told (Kafka offsets); losing that step only means a
+2. Before calling the model for a key, a worker claims it in the store; other workers wait for the
+   result instead of paying twice (single-flight across processes).
+3. Dead letters are published (DLQ topic), then results, cache entries, call records, dead letters
+   and the positions they complete are written in one transaction. Positions are the contiguous
+   low-watermark per partition, so work that finished out of order is never skipped by a crash.
+4. Only after that commit is the source told (Kafka offsets); losing that step only means a
    redelivery, which step 1 makes free.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
-from connectors.sources import Message
-from connectors.store import Batch, DocRef, DocumentOutcome, Store
-from etl.errors import BadInput, ConfigError, StoreError
+from connectors.sources import Message, PartitionKey
+from connectors.store import Batch, CacheEntry, DocRef, DocumentOutcome, Lookup, SqlStore, Store
+from etl.errors import BadInput, ConfigError, SourceError, StoreError
 from etl.execute import Executor, StagePlan, Tally
 from etl.llm.base import LLM
 from etl.log import get_logger
@@ -37,7 +42,7 @@ log = get_logger("etl.runner")
 
 @dataclass
 class RunStats:
-    """Counts for one run; what the progress bar and the summary table show."""
+    """Counts for one run; what the progress bar, the metrics and the summary table show."""
 
     messages: int = 0
     stage_runs: int = 0
@@ -47,6 +52,7 @@ class RunStats:
     results_written: int = 0
     dead_letters: int = 0
     saved_cost: float = 0.0
+    in_flight: int = 0
     started: float = 0.0
     elapsed_s: float = 0.0
 
@@ -66,9 +72,15 @@ class RunStats:
 @dataclass
 class _Pending:
     position: Position
+    epoch: int
     ref: DocRef | None
     keys: list[str]
     task: asyncio.Task[Any] | None = None
+
+
+def _transient(exc: BaseException) -> bool:
+    """A database that is restarting or unreachable: worth waiting for, not worth crashing over."""
+    return isinstance(exc, OperationalError) or (isinstance(exc, DBAPIError) and exc.connection_invalidated)
 
 
 class Runner:
@@ -76,6 +88,7 @@ class Runner:
 
     def __init__(self, pipeline: Pipeline, store: Store, llm: LLM, *, max_in_flight: int = 16,
                  flush_size: int = 200, flush_interval_s: float = 1.0, poll_timeout_s: float = 0.2,
+                 claim_lease_s: float = 30.0, store_retry_s: float = 120.0, idle_stop_s: float | None = None,
                  on_progress: Callable[[RunStats], None] | None = None) -> None:
         self.pipeline = pipeline
         self.store = store
@@ -84,8 +97,13 @@ class Runner:
         self.flush_size = flush_size
         self.flush_interval_s = flush_interval_s
         self.poll_timeout_s = poll_timeout_s
+        self.claim_lease_s = claim_lease_s
+        self.store_retry_s = store_retry_s
+        self.idle_stop_s = idle_stop_s
         self.on_progress = on_progress
-        self.executor = Executor([StagePlan.of(s, llm) for s in pipeline.stages], llm)
+        self.worker_id = uuid.uuid4().hex[:16]
+        peers = self if isinstance(store, SqlStore) else None
+        self.executor = Executor([StagePlan.of(s, llm) for s in pipeline.stages], llm, peers)
         self.tracker = OffsetTracker()
         self.stats = RunStats()
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store")
@@ -94,6 +112,7 @@ class Runner:
         #: Documents dispatched but not yet committed: a duplicate of one waits for it instead.
         self._live: dict[DocRef, tuple[str, asyncio.Task[Any]]] = {}
         self._done: list[tuple[DocumentOutcome, _Pending]] = []
+        self._revoked: collections.deque[PartitionKey] = collections.deque()
         self._last_flush = 0.0
         self._stopping = False
 
@@ -101,12 +120,47 @@ class Runner:
         """Asks the loop to stop polling, finish in-flight work, commit, and return."""
         self._stopping = True
 
+    # -- the store, on its own thread, patient with restarts -----------------------------------
+
     async def _store(self, fn: Callable[..., T], *args: Any) -> T:
-        """Runs a store call on the store's own thread, translating database errors at the boundary."""
+        loop = asyncio.get_running_loop()
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._db, fn, *args)
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception(_transient), stop=stop_after_delay(self.store_retry_s),
+                wait=wait_exponential(multiplier=0.2, max=5), reraise=True,
+                before_sleep=lambda state: log.warning("store_unavailable", attempt=state.attempt_number),
+            ):
+                with attempt:
+                    return await loop.run_in_executor(self._db, fn, *args)
         except SQLAlchemyError as exc:
             raise StoreError(f"store failed: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _source(self, fn: Callable[..., T], *args: Any) -> T:
+        """Source calls run on one thread (a Kafka consumer is not thread-safe); their own failures
+        are translated here."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+        except (OSError, RuntimeError) as exc:
+            raise SourceError(str(exc)) from exc
+
+    # Peers: claims and cache look-ups for the executor (single-flight across workers).
+    async def claim(self, key: str) -> bool:
+        assert isinstance(self.store, SqlStore)  # noqa: S101
+        return await self._store(self.store.claim, key, self.worker_id, self.claim_lease_s)
+
+    async def cached(self, key: str) -> CacheEntry | None:
+        found: Lookup = await self._store(self.store.lookup, self.pipeline.name, [], [key])
+        return found.cache.get(key)
+
+    # PartitionLedger: called by the source from inside poll.
+    def stored_position(self, stream: str, partition: int) -> int | None:
+        return self.store.stored_position(self.pipeline.name, stream, partition)
+
+    def revoked(self, partitions: Collection[PartitionKey]) -> None:
+        self._revoked.extend(partitions)
+
+    # -- the loop ------------------------------------------------------------------------------
 
     async def run(self) -> RunStats:
         source = self.pipeline.source
@@ -115,22 +169,26 @@ class Runner:
             await self._store(self.store.prepare, self.pipeline.extract_tables)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
-        name = self.pipeline.name
-        source.open(lambda stream, partition: self.store.stored_position(name, stream, partition))
-        self._last_flush = time.perf_counter()
+        await self._source(source.open, self)
+        self._last_flush = last_message = time.perf_counter()
         exhausted = False
         try:
             while True:
                 polled = 0
                 if not exhausted and not self._stopping:
                     room = self.max_in_flight - len(self._tasks)
-                    messages = await asyncio.get_running_loop().run_in_executor(
-                        self._io, source.poll, max(room, 0), self.poll_timeout_s if room > 0 else 0.0)
+                    messages = await self._source(source.poll, max(room, 0), self.poll_timeout_s if room > 0 else 0.0)
+                    while self._revoked:
+                        self.tracker.forget(self._revoked.popleft())
                     if messages is None:
                         exhausted = True
                     elif messages:
                         polled = len(messages)
+                        last_message = time.perf_counter()
                         await self._dispatch(messages)
+                    elif (self.idle_stop_s is not None and not self._tasks
+                          and time.perf_counter() - last_message >= self.idle_stop_s):
+                        exhausted = True  # an endless source that has gone quiet: stop, as asked
                 if self._tasks:
                     # Poll again at once while there is room and messages flow; otherwise wait a little.
                     wait = 0 if (polled and len(self._tasks) < self.max_in_flight) else 0.05
@@ -146,42 +204,50 @@ class Runner:
         finally:
             for task in self._tasks:
                 task.cancel()
+            await asyncio.get_running_loop().run_in_executor(self._io, source.close)
             self._db.shutdown(wait=True)
             self._io.shutdown(wait=True)
-            source.close()
         self.stats.elapsed_s = time.perf_counter() - self.stats.started
         return self.stats
 
     async def _dispatch(self, messages: list[Message]) -> None:
         self.stats.messages += len(messages)
         value_format = self.pipeline.source.value_format
-        decoded: list[tuple[Document, Message]] = []
+        decoded: list[tuple[Document, Message, int]] = []
+        bad: list[tuple[BadInput, Message, int]] = []
         for message in messages:
-            self.tracker.dispatch(message.position)
+            epoch = self.tracker.dispatch(message.position)
             try:
-                decoded.append((self.pipeline.decoder.decode(message, value_format), message))
+                decoded.append((self.pipeline.decoder.decode(message, value_format), message, epoch))
             except BadInput as exc:
-                letter = DeadLetter(position=message.position, reason=exc.reason, detail=str(exc), payload=message.value)
-                log.warning("dead_letter", reason=exc.reason, stream=message.position.stream,
-                            partition=message.position.partition, offset=message.position.offset)
-                self._done.append((DocumentOutcome(document=None, dead_letter=letter), _Pending(message.position, None, [])))
-                self.tracker.complete(message.position)
-        if not decoded:
-            return
-        keys = [key for doc, _ in decoded for key in self.executor.keys(doc)]
-        lookup = await self._store(self.store.lookup, self.pipeline.name, [(d.tenant, d.key) for d, _ in decoded], keys)
-        for doc, message in decoded:
+                bad.append((exc, message, epoch))
+        lookup = await self._store(
+            self.store.lookup, self.pipeline.name, [(d.tenant, d.key) for d, _, _ in decoded],
+            [key for doc, _, _ in decoded for key in self.executor.keys(doc)],
+            [(m.position.stream, m.position.partition, m.position.offset) for _, m, _ in bad],
+        )
+        for exc, message, epoch in bad:
+            p = message.position
+            outcome = DocumentOutcome(document=None)
+            if (p.stream, p.partition, p.offset) not in lookup.dead_positions:  # else: a redelivery
+                outcome = DocumentOutcome(document=None, dead_letter=DeadLetter(
+                    position=p, reason=exc.reason, detail=str(exc), payload=message.value))
+                log.warning("dead_letter", reason=exc.reason, stream=p.stream, partition=p.partition, offset=p.offset)
+            self._done.append((outcome, _Pending(p, epoch, None, [])))
+            self.tracker.complete(p, epoch)
+        for doc, message, epoch in decoded:
             ref = (doc.tenant, doc.key)
             live = self._live.get(ref)
             if live is not None and live[0] == doc.content_hash:
                 # The same document is already in flight or awaiting commit (a redelivery within
                 # this run): wait for it, then complete this position with nothing to write.
                 task = asyncio.create_task(self._after(live[1]))
-                self._tasks[task] = _Pending(message.position, None, [])
+                self._tasks[task] = _Pending(message.position, epoch, None, [])
                 continue
             task = asyncio.create_task(self.executor.run(doc, message.value, lookup))
-            self._tasks[task] = _Pending(message.position, ref, self.executor.keys(doc), task)
+            self._tasks[task] = _Pending(message.position, epoch, ref, self.executor.keys(doc), task)
             self._live[ref] = (doc.content_hash, task)
+        self.stats.in_flight = len(self._tasks)
 
     @staticmethod
     async def _after(task: asyncio.Task[Any]) -> tuple[DocumentOutcome, Tally]:
@@ -190,18 +256,22 @@ class Runner:
 
     def _finish(self, task: asyncio.Task[tuple[DocumentOutcome, Tally]]) -> None:
         pending = self._tasks.pop(task)
-        outcome, tally = task.result()  # executor turns every document failure into a dead letter
+        outcome, tally = task.result()  # the executor turns every document failure into a dead letter
         self.stats.add(tally)
+        self.stats.in_flight = len(self._tasks)
         self._done.append((outcome, pending))
-        self.tracker.complete(pending.position)
+        self.tracker.complete(pending.position, pending.epoch)
         if self.on_progress is not None:
             self.on_progress(self.stats)
 
     async def _flush(self) -> None:
         done, self._done = self._done, []
         batch = Batch(outcomes=[outcome for outcome, _ in done], positions=self.tracker.take_watermarks())
+        letters = [o.dead_letter for o in batch.outcomes if o.dead_letter is not None]
+        if letters:
+            await self._source(self.pipeline.source.publish_dead_letters, letters)
         await self._store(self.store.write, self.pipeline.name, batch)
-        await asyncio.get_running_loop().run_in_executor(self._io, self.pipeline.source.commit, batch.positions)
+        await self._source(self.pipeline.source.commit, batch.positions)
         self._last_flush = time.perf_counter()
         for outcome, pending in done:
             self.stats.results_written += len(outcome.results)
@@ -210,3 +280,5 @@ class Runner:
                 del self._live[pending.ref]
             self.executor.flights.forget(pending.keys)
         log.debug("flushed", pipeline=self.pipeline.name, outcomes=len(done), positions=len(batch.positions))
+        if self.on_progress is not None:
+            self.on_progress(self.stats)

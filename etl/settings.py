@@ -24,5 +24,9 @@ class Settings(BaseSettings):
     max_in_flight: int = Field(default=16, ge=1, description="Documents processed concurrently per worker.")
     flush_size: int = Field(default=200, ge=1, description="Completed documents per store transaction.")
     flush_interval_s: float = Field(default=1.0, gt=0, description="Longest wait before completed work is written.")
+    kafka_bootstrap: str | None = Field(default=None, description="host:port of a Kafka broker, for KafkaSource.")
+    kafka_session_timeout_ms: int = Field(default=10_000, description="Consumer group session timeout.")
+    claim_lease_s: float = Field(default=30.0, gt=0, description="How long a crashed worker's claim on a key blocks others.")
+    store_retry_s: float = Field(default=120.0, ge=0, description="How long to wait out a database restart.")
     log_level: str = "info"
     log_json: bool = Field(default=False, description="JSON log lines (production) instead of console lines.")

@@ -19,14 +19,21 @@ class OffsetTracker:
         self._done: dict[PartitionKey, set[int]] = {}
         self._next: dict[PartitionKey, int] = {}
         self._dirty: set[PartitionKey] = set()
+        #: Bumped when a partition is forgotten, so work dispatched before cannot complete after.
+        self._epoch: dict[PartitionKey, int] = {}
 
-    def dispatch(self, position: Position) -> None:
-        """Records an offset as in flight. Offsets of one partition must arrive in increasing order."""
+    def dispatch(self, position: Position) -> int:
+        """Records an offset as in flight and returns the token ``complete`` needs. Offsets of one
+        partition must arrive in increasing order (until the partition is forgotten)."""
         key = (position.stream, position.partition)
         self._dispatched.setdefault(key, deque()).append(position.offset)
+        return self._epoch.get(key, 0)
 
-    def complete(self, position: Position) -> None:
+    def complete(self, position: Position, epoch: int = 0) -> None:
+        """Marks an offset finished; a no-op for work dispatched before its partition was forgotten."""
         key = (position.stream, position.partition)
+        if epoch != self._epoch.get(key, 0) or key not in self._dispatched:
+            return
         done = self._done.setdefault(key, set())
         done.add(position.offset)
         queue = self._dispatched[key]
@@ -43,10 +50,12 @@ class OffsetTracker:
         return moved
 
     def forget(self, key: PartitionKey) -> None:
-        """Drops a partition (revoked in a rebalance): its in-flight offsets will be redelivered."""
+        """Drops a partition (revoked in a rebalance): its in-flight offsets will be redelivered, and
+        work dispatched before this call can no longer move its watermark."""
         for table in (self._dispatched, self._done, self._next):
             table.pop(key, None)  # type: ignore[attr-defined]
         self._dirty.discard(key)
+        self._epoch[key] = self._epoch.get(key, 0) + 1
 
     @property
     def in_flight(self) -> int:

@@ -54,6 +54,36 @@ def postgres_url(postgres_server: str) -> Iterator[str]:
     admin.dispose()
 
 
+@pytest.fixture(scope="session")
+def kafka_bootstrap() -> Iterator[str]:
+    """A real Kafka broker: ETL_TEST_KAFKA (set by services/services.sh), else testcontainers."""
+    bootstrap = os.environ.get("ETL_TEST_KAFKA")
+    if bootstrap:
+        yield bootstrap
+        return
+    if _docker_works():
+        from testcontainers.kafka import KafkaContainer  # noqa: PLC0415
+
+        with KafkaContainer("apache/kafka:4.4.0").with_kraft() as kafka:
+            yield kafka.get_bootstrap_server()
+        return
+    pytest.fail("no Kafka: run `services/services.sh start` and `eval \"$(services/services.sh env)\"`, "
+                "or use scripts/test.sh which does both")
+
+
+@pytest.fixture
+def topic(kafka_bootstrap: str) -> Iterator[str]:
+    """A fresh 4-partition topic (and its DLQ topic) for one test."""
+    from kafka.admin import KafkaAdminClient, NewTopic  # noqa: PLC0415
+
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    admin.create_topics([NewTopic(name, 4, 1), NewTopic(f"{name}.dlq", 1, 1)])
+    yield name
+    admin.delete_topics([name, f"{name}.dlq"])
+    admin.close()
+
+
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'etl.db'}"

@@ -26,3 +26,39 @@ def rows(url: str, sql: str) -> list[tuple[Any, ...]]:
             return [tuple(r) for r in conn.execute(text(sql))]
     finally:
         engine.dispose()
+
+
+def produce(bootstrap: str, topic: str, messages: list[tuple[bytes | None, bytes]], partitions: int = 4) -> None:
+    """Sends (key, value) pairs round-robin over the partitions, and waits for every ack."""
+    from kafka import KafkaProducer
+
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=20)
+    for i, (key, value) in enumerate(messages):
+        producer.send(topic, key=key, value=value, partition=i % partitions)
+    producer.flush(timeout=60)
+    producer.close()
+
+
+def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap)
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
+        return {tp.partition: offset for tp, offset in consumer.end_offsets(tps).items()}
+    finally:
+        consumer.close()
+
+
+def read_all(bootstrap: str, topic: str) -> list[Any]:
+    """Every record of a topic, from the start."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, auto_offset_reset="earliest", consumer_timeout_ms=3000)
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        return list(consumer)
+    finally:
+        consumer.close()

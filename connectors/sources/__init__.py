@@ -1,6 +1,6 @@
 """Sources: where messages come from, each with a stable position."""
 
-from connectors.sources.base import Message, PartitionKey, PositionLookup, Source
+from connectors.sources.base import Message, PartitionKey, PartitionLedger, Source
 from connectors.sources.files import DirectorySource, JsonlSource, ListSource, source_for_path
 
 __all__ = [
@@ -9,7 +9,7 @@ __all__ = [
     "ListSource",
     "Message",
     "PartitionKey",
-    "PositionLookup",
+    "PartitionLedger",
     "Source",
     "source_for_path",
 ]

@@ -9,15 +9,24 @@ source, is the record of how far each partition was processed.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
-from schemas import Position
+from schemas import DeadLetter, Position
 
-#: (stream, partition) → the next offset to read, as stored in the database.
+#: (stream, partition)
 PartitionKey = tuple[str, int]
-PositionLookup = Callable[[str, int], int | None]
+
+
+class PartitionLedger(Protocol):
+    """What a partitioned source needs from the runner during rebalances."""
+
+    def stored_position(self, stream: str, partition: int) -> int | None:
+        """The next offset to read, from the database; None if never processed."""
+
+    def revoked(self, partitions: Collection[PartitionKey]) -> None:
+        """Partitions taken away: their in-flight work is abandoned, never committed by us."""
 
 
 @dataclass(frozen=True)
@@ -37,10 +46,10 @@ class Source(ABC):
     #: A replay source re-reads from the start; the store keeps it from costing or writing anything.
     name: str = "source"
 
-    def open(self, stored_position: PositionLookup) -> None:  # noqa: B027 - optional hook
+    def open(self, ledger: PartitionLedger) -> None:  # noqa: B027 - optional hook
         """Called once before the first poll. Partitioned sources seek each partition they are given
-        to ``stored_position(stream, partition)`` (None: never processed). A failure aborts the run
-        before anything is read."""
+        to ``ledger.stored_position`` and report revocations to ``ledger.revoked`` (both are called
+        from inside ``poll``). A failure aborts the run before anything is read."""
 
     @abstractmethod
     def poll(self, max_records: int, timeout_s: float) -> list[Message] | None:
@@ -51,6 +60,11 @@ class Source(ABC):
     def commit(self, positions: Mapping[PartitionKey, int]) -> None:  # noqa: B027 - optional hook
         """Called after the store committed results up to ``positions`` (next offsets). An
         optimisation only: if it fails or never happens, the stored positions still rule."""
+
+    def publish_dead_letters(self, letters: Sequence[DeadLetter]) -> None:  # noqa: B027 - optional hook
+        """Called with new dead letters *before* the store transaction that records them, so a crash
+        in between republishes rather than loses them (at least once; the table is the record).
+        Sources without a dead-letter channel keep them in the table only."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases files or connections. Not guaranteed to be called."""

@@ -51,7 +51,7 @@ class JsonlSource(_IteratorSource):
         self.path = Path(path)
         self.name = str(path)
 
-    def open(self, stored_position: Any = None) -> None:
+    def open(self, ledger: Any = None) -> None:
         from etl.errors import SourceError  # noqa: PLC0415 - keeps connectors free of etl at import
 
         if not self.path.is_file():
@@ -81,7 +81,7 @@ class DirectorySource(_IteratorSource):
         self.pattern = pattern
         self.name = str(path)
 
-    def open(self, stored_position: Any = None) -> None:
+    def open(self, ledger: Any = None) -> None:
         from etl.errors import SourceError  # noqa: PLC0415
 
         if not self.path.is_dir():

@@ -59,6 +59,8 @@ class Lookup:
     #: (tenant, doc_key) → cache keys of open dead letters (terminal failures already recorded).
     dead: dict[DocRef, set[str]]
     cache: dict[str, CacheEntry]
+    #: (stream, partition, offset) of the asked-about positions that already have a dead letter.
+    dead_positions: set[tuple[str, int, int]] = field(default_factory=set)
 
 
 class Store(ABC):
@@ -70,9 +72,10 @@ class Store(ABC):
         Raises if a typed table exists with columns that no longer match its schema."""
 
     @abstractmethod
-    def lookup(self, pipeline: str, docs: Iterable[DocRef], cache_keys: Iterable[str]) -> Lookup:
+    def lookup(self, pipeline: str, docs: Iterable[DocRef], cache_keys: Iterable[str],
+               positions: Iterable[tuple[str, int, int]] = ()) -> Lookup:
         """Called for each polled batch, before any LLM call: stored results (a redelivery is a
-        no-op), open dead letters, and cached outputs. Read-only; a failure stops the run."""
+        no-op), open dead letters by document and by position, and cached outputs. Read-only."""
 
     @abstractmethod
     def write(self, pipeline: str, batch: Batch) -> None:

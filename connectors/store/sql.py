@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
-from sqlalchemy import Connection, Engine, MetaData, Table, create_engine, event, func, inspect, select, tuple_
+from sqlalchemy import Connection, Engine, MetaData, Table, create_engine, delete, event, func, inspect, select, tuple_
 from sqlalchemy.dialects import postgresql, sqlite
 
 from connectors.store.base import Batch, CacheEntry, DocRef, Lookup, Store
@@ -17,10 +18,12 @@ from connectors.store.tables import (
     documents,
     llm_cache,
     llm_calls,
+    llm_claims,
     source_positions,
     stage_results,
     typed_table,
 )
+from dedup import Claims
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 #: Rows per IN (...) query; keeps statements well under both backends' parameter limits.
@@ -45,14 +48,24 @@ def make_engine(url: str) -> Engine:
 
 def upgrade(engine: Engine) -> None:
     """Runs the Alembic migrations to head on ``engine`` (what ``etl db upgrade`` does)."""
+    with engine.begin() as conn:
+        _migrate(conn)
+
+
+#: Any constant: the PostgreSQL advisory lock that serialises workers migrating at the same time.
+_MIGRATION_LOCK = 0x1DE3E7
+
+
+def _migrate(conn: Connection) -> None:
     from alembic import command  # noqa: PLC0415 - alembic is only needed when migrating
     from alembic.config import Config  # noqa: PLC0415
 
+    if conn.dialect.name == "postgresql":
+        conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK})")
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
-    with engine.begin() as conn:
-        config.attributes["connection"] = conn
-        command.upgrade(config, "head")
+    config.attributes["connection"] = conn
+    command.upgrade(config, "head")
 
 
 def _chunks(items: list[Any]) -> Iterable[list[Any]]:
@@ -60,8 +73,9 @@ def _chunks(items: list[Any]) -> Iterable[list[Any]]:
         yield items[start : start + _CHUNK]
 
 
-class SqlStore(Store):
-    """A :class:`Store` on any SQLAlchemy URL SQLite or PostgreSQL understands."""
+class SqlStore(Store, Claims):
+    """A :class:`Store` (and the workers' shared :class:`Claims`) on any SQLAlchemy URL that SQLite
+    or PostgreSQL understands."""
 
     def __init__(self, url: str) -> None:
         self.engine = make_engine(url)
@@ -70,27 +84,38 @@ class SqlStore(Store):
         self._typed: dict[str, Table] = {}
 
     def prepare(self, typed_tables: Sequence[tuple[str, type[BaseModel]]]) -> None:
-        upgrade(self.engine)
-        for name, schema in typed_tables:
-            table = self._typed.get(name) or typed_table(name, schema, self._typed_meta)
-            self._typed[name] = table
-            existing = inspect(self.engine).get_columns(name) if inspect(self.engine).has_table(name) else None
-            if existing is None:
-                table.create(self.engine)
-                continue
-            have = {c["name"] for c in existing}
-            want = {c.name for c in table.columns}
-            if have != want:
-                raise ValueError(
-                    f"table {name!r} has columns {sorted(have)} but schema {schema.__name__} needs "
-                    f"{sorted(want)}; give the Extract stage a new table= name or migrate the table"
-                )
+        with self.engine.begin() as conn:  # one transaction, so workers starting together take turns
+            _migrate(conn)
+            for name, schema in typed_tables:
+                self._prepare_typed(conn, name, schema)
 
-    def lookup(self, pipeline: str, docs: Iterable[DocRef], cache_keys: Iterable[str]) -> Lookup:
+    def _prepare_typed(self, conn: Connection, name: str, schema: type[BaseModel]) -> None:
+        table = self._typed.get(name) or typed_table(name, schema, self._typed_meta)
+        self._typed[name] = table
+        existing = inspect(conn).get_columns(name) if inspect(conn).has_table(name) else None
+        if existing is None:
+            table.create(conn)
+            return
+        have = {c["name"] for c in existing}
+        want = {c.name for c in table.columns}
+        if have != want:
+            raise ValueError(
+                f"table {name!r} has columns {sorted(have)} but schema {schema.__name__} needs "
+                f"{sorted(want)}; give the Extract stage a new table= name or migrate the table"
+            )
+
+    def lookup(self, pipeline: str, docs: Iterable[DocRef], cache_keys: Iterable[str],
+               positions: Iterable[tuple[str, int, int]] = ()) -> Lookup:
         refs = sorted(set(docs))
         keys = sorted(set(cache_keys))
         found = Lookup(results={}, dead={}, cache={})
         with self.engine.connect() as conn:
+            for chunk in _chunks(sorted(set(positions))):
+                at = tuple_(dead_letters.c.stream, dead_letters.c.partition, dead_letters.c.message_offset)
+                rows = conn.execute(select(dead_letters.c.stream, dead_letters.c.partition,
+                                           dead_letters.c.message_offset)
+                                    .where(dead_letters.c.pipeline == pipeline, at.in_(chunk)))
+                found.dead_positions.update((stream, partition, offset) for stream, partition, offset in rows)
             for chunk in _chunks(refs):
                 doc_in = tuple_(stage_results.c.tenant, stage_results.c.doc_key).in_(chunk)
                 rows = conn.execute(
@@ -116,6 +141,17 @@ class SqlStore(Store):
     def write(self, pipeline: str, batch: Batch) -> None:
         with self.engine.begin() as conn:
             self._write(conn, pipeline, batch)
+
+    def claim(self, key: str, owner: str, lease_s: float) -> bool:
+        now = time.time()
+        stmt = self._insert(llm_claims).values(cache_key=key, owner=owner, expires_at=now + lease_s)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["cache_key"],
+            set_={"owner": owner, "expires_at": now + lease_s},
+            where=(llm_claims.c.expires_at < now) | (llm_claims.c.owner == owner),
+        ).returning(llm_claims.c.owner)
+        with self.engine.begin() as conn:
+            return conn.execute(stmt).first() is not None
 
     def stored_position(self, pipeline: str, stream: str, partition: int) -> int | None:
         with self.engine.connect() as conn:
@@ -195,6 +231,10 @@ class SqlStore(Store):
         self._upsert(conn, dead_letters, dead, ("pipeline", "stream", "partition", "message_offset"), None)
         if calls:
             conn.execute(llm_calls.insert(), calls)
+        # Results and failures are durable now: nobody needs to wait on these keys any more.
+        done = sorted(set(cache) | {d["cache_key"] for d in dead if d["cache_key"]})
+        for chunk in _chunks(done):
+            conn.execute(delete(llm_claims).where(llm_claims.c.cache_key.in_(chunk)))
         positions = [
             {"pipeline": pipeline, "stream": stream, "partition": partition, "next_offset": offset}
             for (stream, partition), offset in batch.positions.items()

@@ -154,6 +154,14 @@ dead_letters = Table(
     Index("ix_dead_letters_doc", "pipeline", "tenant", "doc_key"),
 )
 
+llm_claims = Table(
+    "llm_claims",
+    metadata,
+    Column("cache_key", String(64), primary_key=True),
+    Column("owner", String(100), nullable=False),
+    Column("expires_at", Float, nullable=False),  # epoch seconds: compared across workers, no time zones
+)
+
 _SCALARS: dict[Any, Any] = {
     str: Text,
     int: BigInteger,

@@ -32,3 +32,14 @@ def test_partitions_are_independent_and_forgettable() -> None:
     assert t.take_watermarks() == {("t", 1): 21}
     t.forget(("t", 0))
     assert t.in_flight == 0
+
+
+def test_work_from_before_a_revocation_cannot_move_the_watermark() -> None:
+    t = OffsetTracker()
+    old = t.dispatch(p(100))
+    t.forget(("t", 0))  # revoked, then assigned again from the stored position
+    new = t.dispatch(p(100))
+    t.complete(p(100), old)
+    assert t.take_watermarks() == {}
+    t.complete(p(100), new)
+    assert t.take_watermarks() == {("t", 0): 101}

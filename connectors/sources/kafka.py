@@ -1,0 +1,208 @@
+"""Apache Kafka as a source (kafka-python): a consumer group member whose positions live in the store.
+
+Offsets are never auto-committed. On assignment each partition is sought to the position stored in
+the database (the source of truth); Kafka commits follow each store transaction and only save a
+fresh consumer the trouble of a replay. Dead letters are published to a DLQ topic before the store
+records them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any, Literal
+
+import structlog
+from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.errors import KafkaError
+from kafka.structs import OffsetAndMetadata
+
+from connectors.sources.base import Message, PartitionKey, PartitionLedger, Source
+from schemas import DeadLetter, Position
+
+log = structlog.get_logger("connectors.kafka")
+
+
+class KafkaUnavailable(RuntimeError):
+    """The broker could not be reached or refused the request (translated to SourceError by etl)."""
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    """Seeks newly assigned partitions to their stored positions; reports revoked ones."""
+
+    def __init__(self, source: KafkaSource, ledger: PartitionLedger) -> None:
+        self.source = source
+        self.ledger = ledger
+
+    def on_partitions_revoked(self, revoked: Any) -> None:
+        keys = [(tp.topic, tp.partition) for tp in revoked]
+        if keys:
+            log.info("partitions_revoked", partitions=sorted(keys))
+            self.ledger.revoked(keys)
+
+    def on_partitions_assigned(self, assigned: Any) -> None:
+        consumer = self.source.consumer
+        assert consumer is not None
+        for tp in assigned:
+            stored = self.ledger.stored_position(tp.topic, tp.partition)
+            if stored is not None:
+                consumer.seek(tp, stored)
+            log.info("partition_assigned", stream=tp.topic, partition=tp.partition, stored_position=stored)
+
+
+class KafkaSource(Source):
+    """Consumes ``topic`` in consumer group ``group``.
+
+    Args:
+        topic: The topic to read.
+        group: The consumer group; workers sharing it share the partitions.
+        bootstrap: ``host:port``; None takes the ``ETL_KAFKA_BOOTSTRAP`` setting at run time.
+        replay_from: ``"start"`` or a datetime: read every partition from there to the end offsets
+            seen at start, outside the group (no Kafka commits), then stop. Stored results make it free.
+        dlq_topic: Where dead letters go (default ``<topic>.dlq``); None keeps them in the table only.
+        consumer_config: Extra kafka-python consumer settings (session_timeout_ms, ...).
+    """
+
+    value_format = "json"
+
+    def __init__(self, topic: str, *, group: str | None = None, bootstrap: str | None = None,
+                 replay_from: Literal["start"] | datetime | None = None, dlq_topic: str | None | Literal[""] = "",
+                 consumer_config: Mapping[str, Any] | None = None) -> None:
+        if group is None and replay_from is None:
+            raise ValueError("KafkaSource needs group= (or replay_from= for a one-off replay)")
+        self.topic = topic
+        self.name = topic
+        self.group = group
+        self.bootstrap = bootstrap
+        self.replay_from = replay_from
+        self.dlq_topic = f"{topic}.dlq" if dlq_topic == "" else dlq_topic
+        self.consumer_config = dict(consumer_config or {})
+        self.consumer: KafkaConsumer | None = None
+        self._producer: KafkaProducer | None = None
+        self._paused = False
+        self._end: dict[TopicPartition, int] | None = None
+
+    def open(self, ledger: PartitionLedger) -> None:
+        if not self.bootstrap:
+            raise KafkaUnavailable("no Kafka bootstrap server: pass bootstrap= or set ETL_KAFKA_BOOTSTRAP")
+        config: dict[str, Any] = {
+            "bootstrap_servers": self.bootstrap,
+            "enable_auto_commit": False,
+            "auto_offset_reset": "earliest",
+            "max_poll_records": 500,
+            **self.consumer_config,
+        }
+        try:
+            if self.replay_from is not None:
+                self.consumer = KafkaConsumer(group_id=None, **config)
+                self._assign_for_replay()
+            else:
+                self.consumer = KafkaConsumer(group_id=self.group, **config)
+                self.consumer.subscribe([self.topic], listener=_Rebalance(self, ledger))
+        except KafkaError as exc:
+            raise KafkaUnavailable(f"cannot reach Kafka at {self.bootstrap}: {type(exc).__name__}") from exc
+
+    def _assign_for_replay(self) -> None:
+        consumer = self.consumer
+        assert consumer is not None
+        partitions = consumer.partitions_for_topic(self.topic)
+        if not partitions:
+            raise KafkaUnavailable(f"topic {self.topic!r} does not exist on {self.bootstrap}")
+        tps = [TopicPartition(self.topic, p) for p in sorted(partitions)]
+        consumer.assign(tps)
+        self._end = consumer.end_offsets(tps)
+        if self.replay_from == "start":
+            consumer.seek_to_beginning(*tps)
+        else:
+            assert isinstance(self.replay_from, datetime)
+            wanted = consumer.offsets_for_times({tp: int(self.replay_from.timestamp() * 1000) for tp in tps})
+            for tp in tps:
+                found = wanted.get(tp)
+                consumer.seek(tp, found.offset if found is not None else self._end[tp])
+
+    def poll(self, max_records: int, timeout_s: float) -> list[Message] | None:
+        consumer = self.consumer
+        assert consumer is not None, "open() first"
+        if max_records == 0:
+            # The runner is full: stop fetching but keep polling, so the group keeps us as a member.
+            if not self._paused:
+                consumer.pause(*consumer.assignment())
+                self._paused = True
+            consumer.poll(timeout_ms=0)
+            return []
+        if self._paused:
+            consumer.resume(*consumer.paused())
+            self._paused = False
+        try:
+            batch = consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        except KafkaError as exc:
+            log.warning("poll_failed", error=type(exc).__name__)
+            return []
+        messages = [
+            Message(
+                value=record.value if record.value is not None else b"",
+                key=record.key,
+                headers=tuple((k, v or b"") for k, v in (record.headers or [])),
+                position=Position(stream=record.topic, partition=record.partition, offset=record.offset),
+            )
+            for records in batch.values()
+            for record in records
+        ]
+        if not messages and self._end is not None and all(
+            consumer.position(tp) >= end for tp, end in self._end.items()
+        ):
+            return None
+        return messages
+
+    def commit(self, positions: Mapping[PartitionKey, int]) -> None:
+        if self.group is None or self.replay_from is not None or self.consumer is None or not positions:
+            return
+        assigned = self.consumer.assignment()
+        offsets = {
+            tp: OffsetAndMetadata(offset, "", -1)
+            for (topic, partition), offset in positions.items()
+            if (tp := TopicPartition(topic, partition)) in assigned
+        }
+        if not offsets:
+            return
+        try:
+            self.consumer.commit(offsets)
+        except KafkaError as exc:
+            # Harmless: the stored positions rule; a new owner seeks to them.
+            log.warning("kafka_commit_failed", error=type(exc).__name__)
+
+    def publish_dead_letters(self, letters: Sequence[DeadLetter]) -> None:
+        if not self.dlq_topic or not letters:
+            return
+        if self._producer is None:
+            self._producer = KafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=5)
+        try:
+            for letter in letters:
+                headers = [
+                    ("reason", letter.reason.encode()),
+                    ("detail", letter.detail.encode()[:1000]),
+                    ("source", json.dumps(letter.position.model_dump()).encode()),
+                ]
+                if letter.tenant:
+                    headers.append(("tenant", letter.tenant.encode()))
+                self._producer.send(self.dlq_topic, value=letter.payload, headers=headers)
+            self._producer.flush(timeout=60)
+        except KafkaError as exc:
+            raise KafkaUnavailable(f"cannot publish dead letters to {self.dlq_topic}: {type(exc).__name__}") from exc
+
+    def end_offsets(self) -> dict[PartitionKey, int]:
+        """End offsets of the partitions assigned now (for lag)."""
+        if self.consumer is None:
+            return {}
+        assigned = list(self.consumer.assignment())
+        ends = self.consumer.end_offsets(assigned) if assigned else {}
+        return {(tp.topic, tp.partition): end for tp, end in ends.items()}
+
+    def close(self) -> None:
+        if self.consumer is not None:
+            self.consumer.close(autocommit=False)
+            self.consumer = None
+        if self._producer is not None:
+            self._producer.close(timeout=10)
+            self._producer = None
