@@ -176,7 +176,8 @@ class Runner:
             while True:
                 polled = 0
                 if not exhausted and not self._stopping:
-                    room = self.max_in_flight - len(self._tasks)
+                    # In flight = dispatched and not yet committed, so a crash loses at most this much.
+                    room = self.max_in_flight - len(self._tasks) - len(self._done)
                     messages = await self._source(source.poll, max(room, 0), self.poll_timeout_s if room > 0 else 0.0)
                     while self._revoked:
                         self.tracker.forget(self._revoked.popleft())
@@ -191,12 +192,13 @@ class Runner:
                         exhausted = True  # an endless source that has gone quiet: stop, as asked
                 if self._tasks:
                     # Poll again at once while there is room and messages flow; otherwise wait a little.
-                    wait = 0 if (polled and len(self._tasks) < self.max_in_flight) else 0.05
+                    wait = 0 if (polled and len(self._tasks) + len(self._done) < self.max_in_flight) else 0.05
                     done, _ = await asyncio.wait(self._tasks, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                     for task in done:
                         self._finish(task)
                 finished = (exhausted or self._stopping) and not self._tasks
-                if self._done and (finished or len(self._done) >= self.flush_size
+                full = len(self._tasks) + len(self._done) >= self.max_in_flight
+                if self._done and (finished or full or len(self._done) >= self.flush_size
                                    or time.perf_counter() - self._last_flush >= self.flush_interval_s):
                     await self._flush()
                 if finished:

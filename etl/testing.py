@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from connectors.sources import ListSource
@@ -58,11 +60,13 @@ class FakeLLM(LLM):
         fault: Called with (request, call number); an exception it returns is raised instead of
             answering (e.g. a ``TransientLLMError`` for the first two calls).
         model_id: What the fingerprint and provenance record; change it to simulate a new model.
+        call_log: A file that gets one line per call (the prompt's hash), appended atomically, so
+            calls can be counted across processes that are killed before they commit anything.
     """
 
     def __init__(self, answer: Answer = schema_answer, *, latency_s: float | Callable[[], float] = 0.0,
                  fault: Fault | None = None, model_id: str = "fake-llm", tokens: tuple[int, int] = (100, 20),
-                 price_per_mtok: tuple[float, float] = (0.0, 0.0)) -> None:
+                 price_per_mtok: tuple[float, float] = (0.0, 0.0), call_log: str | Path | None = None) -> None:
         self.answer = answer
         self.latency_s = latency_s
         self.fault = fault
@@ -70,6 +74,7 @@ class FakeLLM(LLM):
         self.params = {"temperature": 0}
         self.tokens = tokens
         self.price_per_mtok = price_per_mtok
+        self.call_log = Path(call_log) if call_log else None
         self.calls: list[LLMRequest] = []
         self.in_flight = 0
         self.max_in_flight = 0
@@ -77,6 +82,13 @@ class FakeLLM(LLM):
     async def generate(self, request: LLMRequest) -> LLMResponse:
         number = len(self.calls)
         self.calls.append(request)
+        if self.call_log is not None:
+            line = (sha256_hex(json.dumps(request.messages, sort_keys=True)) + "\n").encode()
+            fd = os.open(self.call_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)  # one write(2) on O_APPEND: lines never interleave
+            finally:
+                os.close(fd)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:

@@ -44,7 +44,7 @@ def postgres_server() -> Iterator[str]:
 def postgres_url(postgres_server: str) -> Iterator[str]:
     """A fresh, empty schema on the real server for one test, dropped afterwards."""
     schema = f"t_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(postgres_server)
+    admin = create_engine(postgres_server, pool_pre_ping=True)  # survives a server restart in a test
     with admin.begin() as conn:
         conn.execute(text(f'CREATE SCHEMA "{schema}"'))
     sep = "&" if "?" in postgres_server else "?"
