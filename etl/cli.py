@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from datetime import datetime
 import signal
 import sys
 from typing import Annotated, Any
@@ -36,20 +37,50 @@ def _safe(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
+PipelineArg = Annotated[str, typer.Argument(help="path/to/pipeline.py, file.py:attr or package.module:attr")]
+
+
 @app.command()
 def run(
-    pipeline: Annotated[str, typer.Argument(help="path/to/pipeline.py, file.py:attr or package.module:attr")],
+    pipeline: PipelineArg,
     db: DbOption = None,
+    metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus metrics on 127.0.0.1:PORT.")] = None,
+    stop_when_idle: Annotated[float | None, typer.Option(
+        help="Stop once no message arrived for this many seconds (Kafka sources never end by themselves).")] = None,
 ) -> None:
-    """Run PIPELINE to the end of its source. Re-running is free: processed documents are no-ops."""
+    """Run PIPELINE until its source ends (files) or a signal (Kafka). Re-running is free: processed
+    documents are no-ops. SIGTERM/SIGINT drain in-flight work and commit; a second one exits at once."""
+    _run(pipeline, db, metrics_port, stop_when_idle, replay=False, since=None)
+
+
+@app.command()
+def replay(
+    pipeline: PipelineArg,
+    db: DbOption = None,
+    since: Annotated[datetime | None, typer.Option(help="Replay from this time instead of offset 0.")] = None,
+) -> None:
+    """Re-read PIPELINE's Kafka topic from offset 0 (or --since) to its current end, outside the
+    consumer group. Everything already processed is a no-op: expect 0 LLM calls and 0 new rows."""
+    _run(pipeline, db, None, None, replay=True, since=since)
+
+
+def _run(pipeline: str, db: str | None, metrics_port: int | None, stop_when_idle: float | None, *,
+         replay: bool, since: datetime | None) -> None:
+    from etl.metrics import Metrics, serve  # noqa: PLC0415
     from etl.pipeline import load_pipeline  # noqa: PLC0415
-    from etl.run import build_runner, database_url  # noqa: PLC0415
+    from etl.run import build_runner, database_url, replay_source  # noqa: PLC0415
 
     settings = Settings()
-    configure(settings.log_level if settings.log_level != "info" else "warning", settings.log_json)
+    configure(settings.log_level, settings.log_json)
     try:
         loaded = load_pipeline(pipeline)
         url = db or database_url(loaded, settings)
+        if replay:
+            loaded.source = replay_source(loaded, since)
+        metrics = None
+        if metrics_port is not None:
+            metrics = Metrics(loaded.name)
+            serve(metrics_port)
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                       console=console, transient=False) as progress:
             task = progress.add_task(f"{loaded.name}: starting")
@@ -61,11 +92,14 @@ def run(
                     f"hit rate {stats.hit_rate:.0%} · LLM calls {stats.llm_calls} · dead letters "
                     f"{stats.dead_letters}"))
 
-            runner = build_runner(loaded, settings, store_url=url, on_progress=show)
+            runner = build_runner(loaded, settings, store_url=url, on_progress=show, metrics=metrics,
+                                  idle_stop_s=stop_when_idle)
             stats = asyncio.run(_run_until_signalled(runner))
             show(stats)
     except EtlError as exc:
         _fail(str(exc))
+    except OSError as exc:  # e.g. the metrics port is taken
+        _fail(f"{exc.strerror or exc}")
     _summary(loaded.name, _safe(url), stats)
 
 
@@ -117,23 +151,38 @@ def _summary(name: str, url: str, stats: Any) -> None:
 
 @app.command()
 def status(
-    pipeline: Annotated[str | None, typer.Option("--pipeline", "-p", help="Only this pipeline (by name).")] = None,
+    pipeline: Annotated[str | None, typer.Argument(
+        help="A pipeline name, or a pipeline file/module: then Kafka lag per partition is shown too.")] = None,
     db: DbOption = None,
 ) -> None:
-    """Documents, results per stage, LLM calls and spend, dead letters, stored positions."""
+    """Documents, results per stage, LLM calls and spend, dead letters, in-flight claims, stored
+    positions (and lag, for a Kafka pipeline given as a file or module)."""
     from connectors.store import make_engine  # noqa: PLC0415
     from connectors.store.report import status as report  # noqa: PLC0415
 
-    url = db or Settings().database_url.get_secret_value()
+    settings = Settings()
+    url = db or settings.database_url.get_secret_value()
+    name, ends = pipeline, None
+    if pipeline is not None and (pipeline.endswith(".py") or ":" in pipeline):
+        from etl.pipeline import load_pipeline  # noqa: PLC0415
+        from etl.run import database_url, topic_end_offsets  # noqa: PLC0415
+
+        try:
+            loaded = load_pipeline(pipeline)
+            name, url = loaded.name, db or database_url(loaded, settings)
+            ends = topic_end_offsets(loaded, settings)
+        except EtlError as exc:
+            _fail(str(exc))
     try:
-        found = report(make_engine(url), pipeline)
+        found = report(make_engine(url), name, ends)
     except Exception as exc:  # noqa: BLE001 - any database failure is one line for the user
         _fail(f"cannot read {_safe(url)}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
     if not any(found.values()):
         out.print(f"{_safe(url)}: nothing processed yet")
         return
     titles = {"documents": "Documents", "stages": "Results per stage", "calls": "LLM calls",
-              "dead_letters": "Dead letters", "positions": "Stored positions"}
+              "dead_letters": "Dead letters", "in_flight": "In-flight LLM work (live claims)",
+              "positions": "Stored positions and lag"}
     for name, rows in found.items():
         if not rows:
             continue

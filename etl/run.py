@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import datetime
 
 from connectors.sources.kafka import KafkaSource
 from connectors.store import SqlStore
+from etl.errors import ConfigError, SourceError
 from etl.llm.base import LLM
+from etl.metrics import Metrics
 from etl.pipeline import Pipeline
 from etl.runner import Runner, RunStats
 from etl.settings import Settings
@@ -27,7 +30,7 @@ def default_llm(settings: Settings) -> LLM:
 
 def build_runner(pipeline: Pipeline, settings: Settings | None = None, *, llm: LLM | None = None,
                  store_url: str | None = None, idle_stop_s: float | None = None,
-                 on_progress: Callable[[RunStats], None] | None = None) -> Runner:
+                 on_progress: Callable[[RunStats], None] | None = None, metrics: Metrics | None = None) -> Runner:
     settings = settings or Settings()
     store = SqlStore(store_url or database_url(pipeline, settings))
     source = pipeline.source
@@ -39,8 +42,18 @@ def build_runner(pipeline: Pipeline, settings: Settings | None = None, *, llm: L
         pipeline, store, llm or pipeline.llm or default_llm(settings),
         max_in_flight=settings.max_in_flight, flush_size=settings.flush_size,
         flush_interval_s=settings.flush_interval_s, claim_lease_s=settings.claim_lease_s,
-        store_retry_s=settings.store_retry_s, idle_stop_s=idle_stop_s, on_progress=on_progress,
+        store_retry_s=settings.store_retry_s, idle_stop_s=idle_stop_s, on_progress=on_progress, metrics=metrics,
     )
+
+
+def replay_source(pipeline: Pipeline, since: datetime | None) -> KafkaSource:
+    """A one-off reader of the pipeline's topic from offset 0 (or a time) to its current end."""
+    source = pipeline.source
+    if not isinstance(source, KafkaSource):
+        raise ConfigError(f"pipeline {pipeline.name!r} reads {type(source).__name__}, not Kafka: "
+                          "file sources are re-read by every `etl run` already")
+    return KafkaSource(source.topic, bootstrap=source.bootstrap, replay_from=since or "start",
+                       dlq_topic=source.dlq_topic, consumer_config=source.consumer_config)
 
 
 async def run_pipeline(pipeline: Pipeline, settings: Settings | None = None, **kwargs: object) -> RunStats:
@@ -50,3 +63,19 @@ async def run_pipeline(pipeline: Pipeline, settings: Settings | None = None, **k
         return await runner.run()
     finally:
         await runner.llm.aclose()
+
+
+def topic_end_offsets(pipeline: Pipeline, settings: Settings) -> dict[tuple[str, int], int] | None:
+    """End offsets of a Kafka pipeline's topic (for lag), or None for other sources."""
+    source = pipeline.source
+    if not isinstance(source, KafkaSource):
+        return None
+    probe = replay_source(pipeline, None)
+    probe.bootstrap = source.bootstrap or settings.kafka_bootstrap
+    try:
+        probe.open(None)  # type: ignore[arg-type]  # a replay reader never calls its ledger
+        return dict(probe.replay_end or {})
+    except RuntimeError as exc:
+        raise SourceError(str(exc)) from exc
+    finally:
+        probe.close()

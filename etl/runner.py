@@ -32,6 +32,7 @@ from etl.errors import BadInput, ConfigError, SourceError, StoreError
 from etl.execute import Executor, StagePlan, Tally
 from etl.llm.base import LLM
 from etl.log import get_logger
+from etl.metrics import Metrics
 from etl.pipeline import Pipeline
 from etl.tracker import OffsetTracker
 from schemas import DeadLetter, Document, Position
@@ -89,7 +90,7 @@ class Runner:
     def __init__(self, pipeline: Pipeline, store: Store, llm: LLM, *, max_in_flight: int = 16,
                  flush_size: int = 200, flush_interval_s: float = 1.0, poll_timeout_s: float = 0.2,
                  claim_lease_s: float = 30.0, store_retry_s: float = 120.0, idle_stop_s: float | None = None,
-                 on_progress: Callable[[RunStats], None] | None = None) -> None:
+                 on_progress: Callable[[RunStats], None] | None = None, metrics: Metrics | None = None) -> None:
         self.pipeline = pipeline
         self.store = store
         self.llm = llm
@@ -101,6 +102,9 @@ class Runner:
         self.store_retry_s = store_retry_s
         self.idle_stop_s = idle_stop_s
         self.on_progress = on_progress
+        self.metrics = metrics
+        self._reported = (0, 0)  # (messages, hits) already counted in metrics
+        self._lag_checked = 0.0
         self.worker_id = uuid.uuid4().hex[:16]
         peers = self if isinstance(store, SqlStore) else None
         self.executor = Executor([StagePlan.of(s, llm) for s in pipeline.stages], llm, peers)
@@ -251,6 +255,21 @@ class Runner:
             self._live[ref] = (doc.content_hash, task)
         self.stats.in_flight = len(self._tasks)
 
+    async def _report(self, batch: Batch) -> None:
+        assert self.metrics is not None  # noqa: S101
+        hits = self.stats.stored_hits + self.stats.cache_hits
+        messages, reported_hits = self._reported
+        self.metrics.committed(batch.outcomes, self.stats.messages - messages, hits - reported_hits,
+                               len(self._tasks) + len(self._done))
+        self._reported = (self.stats.messages, hits)
+        end_offsets = getattr(self.pipeline.source, "end_offsets", None)
+        if end_offsets is not None and time.perf_counter() - self._lag_checked > 5:
+            self._lag_checked = time.perf_counter()
+            ends = await self._source(end_offsets)
+            name = self.pipeline.name
+            stored = {key: await self._store(self.store.stored_position, name, *key) for key in ends}
+            self.metrics.set_lag({key: end - (stored[key] or 0) for key, end in ends.items()})
+
     @staticmethod
     async def _after(task: asyncio.Task[Any]) -> tuple[DocumentOutcome, Tally]:
         await asyncio.wait([task])
@@ -282,5 +301,7 @@ class Runner:
                 del self._live[pending.ref]
             self.executor.flights.forget(pending.keys)
         log.debug("flushed", pipeline=self.pipeline.name, outcomes=len(done), positions=len(batch.positions))
+        if self.metrics is not None:
+            await self._report(batch)
         if self.on_progress is not None:
             self.on_progress(self.stats)

@@ -28,5 +28,5 @@ class Settings(BaseSettings):
     kafka_session_timeout_ms: int = Field(default=10_000, description="Consumer group session timeout.")
     claim_lease_s: float = Field(default=30.0, gt=0, description="How long a crashed worker's claim on a key blocks others.")
     store_retry_s: float = Field(default=120.0, ge=0, description="How long to wait out a database restart.")
-    log_level: str = "info"
+    log_level: str = Field(default="warning", description="debug, info, warning or error.")
     log_json: bool = Field(default=False, description="JSON log lines (production) instead of console lines.")

@@ -191,6 +191,11 @@ class KafkaSource(Source):
         except KafkaError as exc:
             raise KafkaUnavailable(f"cannot publish dead letters to {self.dlq_topic}: {type(exc).__name__}") from exc
 
+    @property
+    def replay_end(self) -> dict[PartitionKey, int] | None:
+        """For a replay: the end offsets it reads up to."""
+        return None if self._end is None else {(tp.topic, tp.partition): end for tp, end in self._end.items()}
+
     def end_offsets(self) -> dict[PartitionKey, int]:
         """End offsets of the partitions assigned now (for lag)."""
         if self.consumer is None:

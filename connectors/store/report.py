@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from sqlalchemy import Engine, case, func, inspect, select
 
-from connectors.store.tables import dead_letters, documents, llm_calls, source_positions, stage_results
+from connectors.store.tables import dead_letters, documents, llm_calls, llm_claims, source_positions, stage_results
 
 
-def status(engine: Engine, pipeline: str | None = None) -> dict[str, list[dict[str, Any]]]:
-    """Per pipeline: documents and results per stage, calls and spend, dead letters, positions.
-    Empty lists when the store has never been migrated."""
+def status(engine: Engine, pipeline: str | None = None,
+           end_offsets: dict[tuple[str, int], int] | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Per pipeline: documents and results per stage, calls and spend, dead letters, live claims,
+    positions (with lag when the source's end offsets are given). Empty when never migrated."""
     if not inspect(engine).has_table("stage_results"):
-        return {"stages": [], "calls": [], "dead_letters": [], "positions": [], "documents": []}
+        return {"stages": [], "calls": [], "dead_letters": [], "positions": [], "documents": [], "in_flight": []}
 
     def where(table: Any) -> Any:
         return table.c.pipeline == pipeline if pipeline else True
@@ -43,5 +45,16 @@ def status(engine: Engine, pipeline: str | None = None) -> dict[str, list[dict[s
         .where(where(source_positions))
         .order_by(source_positions.c.pipeline, source_positions.c.stream, source_positions.c.partition),
     }
+    queries["in_flight"] = select(llm_claims.c.owner.label("worker"), func.count().label("claimed_keys")).where(
+        llm_claims.c.expires_at > time.time()).group_by(llm_claims.c.owner)
     with engine.connect() as conn:
-        return {name: [dict(row) for row in conn.execute(query).mappings()] for name, query in queries.items()}
+        found = {name: [dict(row) for row in conn.execute(query).mappings()] for name, query in queries.items()}
+    if end_offsets is not None:
+        stored = {(r["stream"], r["partition"]): r for r in found["positions"]}
+        found["positions"] = [
+            {"pipeline": pipeline, "stream": stream, "partition": partition,
+             "next_offset": stored.get((stream, partition), {}).get("next_offset", 0), "end_offset": end,
+             "lag": end - stored.get((stream, partition), {}).get("next_offset", 0)}
+            for (stream, partition), end in sorted(end_offsets.items())
+        ]
+    return found

@@ -1,0 +1,54 @@
+"""Prometheus metrics for ``etl run --metrics-port``. Labels never carry document content."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from connectors.store import DocumentOutcome
+
+
+class Metrics:
+    """The runner's counters, updated after each store commit (so they count committed work)."""
+
+    def __init__(self, pipeline: str, registry: CollectorRegistry = REGISTRY) -> None:
+        self.pipeline = pipeline
+        labels = ["pipeline"]
+        self.messages = Counter("etl_messages_total", "Messages read from the source", labels, registry=registry)
+        self.results = Counter("etl_results_written_total", "Stage results committed", labels, registry=registry)
+        self.cache_hits = Counter("etl_cache_hits_total", "Stage runs served without a model call "
+                                  "(already stored, cache, single-flight)", labels, registry=registry)
+        self.llm_calls = Counter("etl_llm_calls_total", "Model attempts by outcome", [*labels, "stage", "outcome"],
+                                 registry=registry)
+        self.llm_latency = Histogram("etl_llm_latency_seconds", "Model call latency", [*labels, "stage"],
+                                     buckets=(0.01, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60), registry=registry)
+        self.dead_letters = Counter("etl_dead_letters_total", "Dead letters by reason", [*labels, "reason"],
+                                    registry=registry)
+        self.in_flight = Gauge("etl_in_flight", "Documents dispatched and not yet committed", labels,
+                               registry=registry)
+        self.lag = Gauge("etl_lag_messages", "End offset minus committed position", [*labels, "stream", "partition"],
+                         registry=registry)
+
+    def committed(self, outcomes: Iterable[DocumentOutcome], messages: int, hits: int, in_flight: int) -> None:
+        p = self.pipeline
+        self.messages.labels(p).inc(messages)
+        self.cache_hits.labels(p).inc(hits)
+        self.in_flight.labels(p).set(in_flight)
+        for outcome in outcomes:
+            self.results.labels(p).inc(len(outcome.results))
+            if outcome.dead_letter is not None:
+                self.dead_letters.labels(p, outcome.dead_letter.reason).inc()
+            for call in outcome.calls:
+                self.llm_calls.labels(p, call.stage, call.outcome).inc()
+                if call.outcome != "cache_hit":
+                    self.llm_latency.labels(p, call.stage).observe(call.latency_ms / 1000)
+
+    def set_lag(self, lag: Mapping[tuple[str, int], int]) -> None:
+        for (stream, partition), value in lag.items():
+            self.lag.labels(self.pipeline, stream, str(partition)).set(value)
+
+
+def serve(port: int) -> None:
+    """Serves /metrics on 127.0.0.1:port from a background thread."""
+    start_http_server(port, addr="127.0.0.1")
