@@ -19,8 +19,12 @@ from connectors.store import CacheEntry, DocumentOutcome, Lookup
 from dedup import SingleFlight, cache_key, canonical_json, sha256_hex, stage_fingerprint
 from etl.errors import EtlError, LLMError, OutputError
 from etl.llm.base import LLM, LLMRequest
+from etl.log import get_logger
 from etl.stages import Extract, Stage
 from schemas import CallRecord, DeadLetter, Document, Provenance, StageResult
+
+
+log = get_logger("etl.execute")
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,9 @@ class Executor:
                     computed, shared = await self.flights.do(key, lambda: self._claim_or_wait(plan, document, key))
                 except StageFailed as failed:
                     tally.llm_calls += len(failed.calls)
+                    log.warning("stage_failed", reason=failed.reason, tenant=document.tenant, stage=stage.name,
+                                doc_key=document.key, stream=document.position.stream,
+                                partition=document.position.partition, offset=document.position.offset)
                     raw = getattr(failed.error, "raw", None)
                     return self._dead(document, payload, stage.name, key, failed.reason, str(failed.error), raw,
                                       results, typed, calls + failed.calls, cache), tally
