@@ -22,6 +22,8 @@ from etl.settings import Settings
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="idem-etl: idempotent LLM batch ETL.")
 db_app = typer.Typer(no_args_is_help=True, help="The store's schema.")
 app.add_typer(db_app, name="db")
+dlq_app = typer.Typer(no_args_is_help=True, help="Quarantined messages: list them, replay them after a fix.")
+app.add_typer(dlq_app, name="dlq")
 console = Console(stderr=True)
 out = Console()
 
@@ -64,8 +66,47 @@ def replay(
     _run(pipeline, db, None, None, replay=True, since=since)
 
 
+@dlq_app.command("list")
+def dlq_list(
+    reason: Annotated[str | None, typer.Option(help="Only this reason (bad_input, schema_invalid, ...).")] = None,
+    pipeline: Annotated[str | None, typer.Option(help="Only this pipeline (by name).")] = None,
+    db: DbOption = None,
+    limit: Annotated[int, typer.Option(help="Rows to show.")] = 50,
+) -> None:
+    """Open dead letters, newest first, with their typed reason."""
+    from connectors.store import make_engine  # noqa: PLC0415
+    from connectors.store.report import open_dead_letters  # noqa: PLC0415
+
+    url = db or Settings().database_url.get_secret_value()
+    try:
+        found, total = open_dead_letters(make_engine(url), pipeline, reason, limit)
+    except Exception as exc:  # noqa: BLE001
+        _fail(f"cannot read {_safe(url)}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+    table = Table(title=f"{total} open dead letter(s)" + (f" with reason {reason}" if reason else ""),
+                  title_justify="left")
+    for column in ("id", "pipeline", "reason", "stage", "tenant", "doc_key", "position", "detail"):
+        table.add_column(column)
+    for row in found:
+        table.add_row(str(row["id"]), row["pipeline"], row["reason"], row["stage"] or "", row["tenant"] or "",
+                      row["doc_key"] or "", f"{row['stream']}:{row['partition']}:{row['message_offset']}",
+                      row["detail"][:80])
+    out.print(table)
+
+
+@dlq_app.command("replay")
+def dlq_replay(
+    pipeline: PipelineArg,
+    reason: Annotated[str | None, typer.Option(help="Only this reason.")] = None,
+    db: DbOption = None,
+) -> None:
+    """Reprocess PIPELINE's open dead letters with the pipeline as it is now (after a prompt or schema
+    fix, or once a provider is back). A replayed item that succeeds leaves quarantine exactly once;
+    one that fails again stays, with its latest reason."""
+    _run(pipeline, db, None, None, replay=False, since=None, dead_letters=reason or "")
+
+
 def _run(pipeline: str, db: str | None, metrics_port: int | None, stop_when_idle: float | None, *,
-         replay: bool, since: datetime | None) -> None:
+         replay: bool, since: datetime | None, dead_letters: str | None = None) -> None:
     from etl.metrics import Metrics, serve  # noqa: PLC0415
     from etl.pipeline import load_pipeline  # noqa: PLC0415
     from etl.run import build_runner, database_url, replay_source  # noqa: PLC0415
@@ -77,6 +118,12 @@ def _run(pipeline: str, db: str | None, metrics_port: int | None, stop_when_idle
         url = db or database_url(loaded, settings)
         if replay:
             loaded.source = replay_source(loaded, since)
+        if dead_letters is not None:
+            from connectors.sources.dead_letters import DeadLetterSource  # noqa: PLC0415
+            from connectors.store import make_engine  # noqa: PLC0415
+
+            loaded.source = DeadLetterSource(make_engine(url), loaded.name, dead_letters or None,
+                                             loaded.source.value_format)
         metrics = None
         if metrics_port is not None:
             metrics = Metrics(loaded.name)
@@ -93,7 +140,7 @@ def _run(pipeline: str, db: str | None, metrics_port: int | None, stop_when_idle
                     f"{stats.dead_letters}"))
 
             runner = build_runner(loaded, settings, store_url=url, on_progress=show, metrics=metrics,
-                                  idle_stop_s=stop_when_idle)
+                                  idle_stop_s=stop_when_idle, replaying_dead_letters=dead_letters is not None)
             stats = asyncio.run(_run_until_signalled(runner))
             show(stats)
     except EtlError as exc:
@@ -180,7 +227,8 @@ def status(
     if not any(found.values()):
         out.print(f"{_safe(url)}: nothing processed yet")
         return
-    titles = {"documents": "Documents", "stages": "Results per stage", "calls": "LLM calls",
+    titles = {"documents": "Documents", "stages": "Results per stage",
+              "calls": "LLM calls: spend and cache savings (USD) per tenant, stage, model",
               "dead_letters": "Dead letters", "in_flight": "In-flight LLM work (live claims)",
               "positions": "Stored positions and lag"}
     for name, rows in found.items():

@@ -6,8 +6,11 @@ EtlError                       retryable=False  the root; catch this to catch ou
 ├── SourceError                                 input cannot be read at all (missing file, broker gone)
 ├── BadInput                   reason=bad_input one message cannot be decoded → dead letter
 ├── StoreError                                  the database refused or is unreachable
-└── LLMError                                    a model call failed
-    ├── TransientLLMError      retryable=True   429, 5xx, timeouts, connection resets
+└── LLMError                 reason=provider_error   a model call failed (4xx other than below)
+    ├── BudgetExceeded         reason=budget_exceeded  a tenant's token budget is spent
+    ├── TransientLLMError      retryable=True   5xx, connection resets (reason=provider_error)
+    │   ├── RateLimited                         429; ``retry_after`` seconds when the provider says
+    │   └── LLMTimeout         reason=timeout   no answer in time
     └── OutputError            retryable=False  the model answered, but not with a valid result
         ├── Truncated          reason=truncated
         ├── Refusal            reason=refusal
@@ -65,6 +68,26 @@ class TransientLLMError(LLMError):
     """Worth retrying: rate limits, server errors, timeouts, dropped connections."""
 
     retryable = True
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RateLimited(TransientLLMError):
+    """HTTP 429. ``retry_after`` is the provider's ``Retry-After``, which the retry loop honours."""
+
+
+class LLMTimeout(TransientLLMError):
+    """The provider did not answer in time."""
+
+    reason = "timeout"
+
+
+class BudgetExceeded(LLMError):
+    """The tenant's token budget for the day is spent; the document waits in quarantine."""
+
+    reason = "budget_exceeded"
 
 
 class OutputError(LLMError):

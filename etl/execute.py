@@ -7,24 +7,41 @@ Pure of store I/O: it reads a :class:`Lookup` made before the batch and returns 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pydantic import BaseModel
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, stop_after_delay, wait_random_exponential
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_random_exponential,
+)
 
 from connectors.store import CacheEntry, DocumentOutcome, Lookup
 from dedup import SingleFlight, cache_key, canonical_json, sha256_hex, stage_fingerprint
-from etl.errors import EtlError, LLMError, OutputError
-from etl.llm.base import LLM, LLMRequest
+from etl.errors import EtlError, LLMError, OutputError, SchemaInvalid, SemanticInvalid
+from etl.llm.base import LLM, LLMRequest, LLMResponse
 from etl.log import get_logger
 from etl.stages import Extract, Stage
 from schemas import CallRecord, DeadLetter, Document, Provenance, StageResult
 
 
 log = get_logger("etl.execute")
+_backoff = wait_random_exponential(multiplier=0.5, max=10)
+
+
+def _wait_for_provider(state: RetryCallState) -> float:
+    """The provider's Retry-After when it gave one, else exponential backoff with jitter."""
+    error = state.outcome.exception() if state.outcome else None
+    retry_after = getattr(error, "retry_after", None)
+    return float(retry_after) if retry_after is not None else _backoff(state)
 
 
 @dataclass(frozen=True)
@@ -96,14 +113,17 @@ class Tally:
 class Executor:
     """Runs the stages of a pipeline for one document at a time (many concurrently)."""
 
-    def __init__(self, plans: Sequence[StagePlan], llm: LLM, peers: Peers | None = None, max_attempts: int = 3,
-                 max_retry_s: float = 60.0) -> None:
+    def __init__(self, plans: Sequence[StagePlan], llm: LLM, peers: Peers | None = None, max_attempts: int = 4,
+                 max_retry_s: float = 60.0, repairs: int = 1, retry_dead_letters: bool = False) -> None:
         self.plans = list(plans)
         self.llm = llm
         self.peers = peers
         self.flights: SingleFlight[Computed] = SingleFlight()
         self.max_attempts = max_attempts
         self.max_retry_s = max_retry_s
+        self.repairs = repairs
+        #: ``etl dlq replay``: quarantined documents are retried instead of being no-ops.
+        self.retry_dead_letters = retry_dead_letters
 
     def keys(self, document: Document) -> list[str]:
         return [plan.key(document) for plan in self.plans]
@@ -134,7 +154,7 @@ class Executor:
                 tally.stored_hits += 1
                 outputs[stage.name] = stage.output_model.model_validate(stored[1])
                 continue
-            if key in lookup.dead.get(ref, ()):
+            if key in lookup.dead.get(ref, ()) and not self.retry_dead_letters:
                 # Already ended as a dead letter for this content and fingerprint: a no-op too.
                 tally.stored_hits += 1
                 return DocumentOutcome(document=None), tally
@@ -176,15 +196,16 @@ class Executor:
                     prompt_hash=plan.prompt_hash, schema_hash=plan.schema_hash, cache_hit=shared,
                     attempts=attempts, tokens_in=0 if shared else entry.tokens_in,
                     tokens_out=0 if shared else entry.tokens_out, cost=0.0 if shared else entry.cost,
-                    latency_ms=latency,
+                    latency_ms=latency, structured=entry.structured, system_fingerprint=entry.system_fingerprint,
                 ),
             ))
             if isinstance(stage, Extract):
                 typed.append((stage.table, {**output.model_dump(), "cache_key": key}))
-        if not results:
+        quarantined = ref in lookup.dead
+        if not results and not quarantined:
             return DocumentOutcome(document=None), tally
         return DocumentOutcome(document=document, results=tuple(results), typed_rows=tuple(typed),
-                               calls=tuple(calls), cache=tuple(cache)), tally
+                               calls=tuple(calls), cache=tuple(cache), resolves_dead_letter=quarantined), tally
 
     async def _claim_or_wait(self, plan: StagePlan, document: Document, key: str) -> Computed:
         """Calls the model only while holding the key's claim; otherwise waits for the holder's
@@ -205,15 +226,57 @@ class Executor:
             delay = min(delay * 2, 1.0)
 
     async def _compute(self, plan: StagePlan, document: Document, key: str) -> Computed:
-        """Asks the model (retrying transient failures) and validates the answer. Raises StageFailed."""
+        """Asks the model, retrying transient failures and re-asking (``repairs`` times) after an
+        invalid answer, and validates the final answer in layers. Every attempt becomes a call
+        record. Raises StageFailed with the typed reason of the last failure."""
         stage = plan.stage
         request = LLMRequest(messages=stage.render(document), json_schema=stage.llm_schema(), max_tokens=stage.max_tokens)
         calls: list[CallRecord] = []
         started = time.perf_counter()
+        repairs_left = self.repairs
+        try:
+            while True:
+                response = await self._call(request, document, stage.name, key, calls)
+                cost = self.llm.cost(response.tokens_in, response.tokens_out)
+                record = functools.partial(self._record, document, stage.name, key, response.model,
+                                           tokens_in=response.tokens_in, tokens_out=response.tokens_out, cost=cost,
+                                           latency_ms=response.latency_ms)
+                try:
+                    output = stage.parse(response)
+                except (SchemaInvalid, SemanticInvalid) as exc:
+                    if repairs_left > 0:
+                        repairs_left -= 1
+                        calls.append(record("repair", error=exc.reason))
+                        request = stage.repair(request, response.text, str(exc))
+                        continue
+                    calls.append(record("failed", error=exc.reason))
+                    raise
+                except OutputError as exc:
+                    calls.append(record("failed", error=exc.reason))
+                    raise
+                calls.append(record("ok"))
+                break
+        except EtlError as exc:
+            raise StageFailed(exc, calls) from exc
+        spent_in = sum(c.tokens_in for c in calls)
+        spent_out = sum(c.tokens_out for c in calls)
+        entry = CacheEntry(
+            cache_key=key, tenant=document.tenant, stage=stage.name, fingerprint=plan.fingerprint,
+            output=output.model_dump(mode="json"), model=response.model, tokens_in=spent_in, tokens_out=spent_out,
+            cost=sum(c.cost for c in calls), structured=response.extra.get("structured"),
+            system_fingerprint=response.extra.get("system_fingerprint"),
+        )
+        return Computed(entry=entry, calls=calls, attempts=len(calls),
+                        latency_ms=(time.perf_counter() - started) * 1000)
+
+    async def _call(self, request: LLMRequest, document: Document, stage: str, key: str,
+                    calls: list[CallRecord]) -> LLMResponse:
+        """One answer from the model, retrying only what ``retryable`` says can succeed later,
+        waiting as long as the provider's Retry-After asks, within the attempt and time caps."""
         retrying = AsyncRetrying(
             retry=retry_if_exception(lambda e: isinstance(e, LLMError) and e.retryable),
             stop=stop_after_attempt(self.max_attempts) | stop_after_delay(self.max_retry_s),
-            wait=wait_random_exponential(multiplier=0.5, max=10),
+            wait=_wait_for_provider,
             reraise=True,
         )
         try:
@@ -223,29 +286,18 @@ class Executor:
                     try:
                         response = await self.llm.generate(request)
                     except LLMError as exc:
-                        calls.append(self._record(document, stage.name, key, self.llm.model_id,
+                        calls.append(self._record(document, stage, key, self.llm.model_id,
                                                   "retry" if exc.retryable else "failed", 0, 0, 0.0,
                                                   (time.perf_counter() - t0) * 1000, error=exc.reason))
                         raise
-            cost = self.llm.cost(response.tokens_in, response.tokens_out)
-            latency = response.latency_ms or (time.perf_counter() - t0) * 1000
-            try:
-                output = stage.parse(response)
-            except OutputError as exc:
-                calls.append(self._record(document, stage.name, key, response.model, "failed",
-                                          response.tokens_in, response.tokens_out, cost, latency, error=exc.reason))
-                raise
-            calls.append(self._record(document, stage.name, key, response.model, "ok",
-                                      response.tokens_in, response.tokens_out, cost, latency))
-        except EtlError as exc:
-            raise StageFailed(exc, calls) from exc
-        entry = CacheEntry(
-            cache_key=key, tenant=document.tenant, stage=stage.name, fingerprint=plan.fingerprint,
-            output=output.model_dump(mode="json"), model=response.model, tokens_in=response.tokens_in,
-            tokens_out=response.tokens_out, cost=cost,
-        )
-        return Computed(entry=entry, calls=calls, attempts=len(calls),
-                        latency_ms=(time.perf_counter() - started) * 1000)
+                    if not response.latency_ms:
+                        response = dataclasses.replace(response, latency_ms=(time.perf_counter() - t0) * 1000)
+                    return response
+        except LLMError:
+            if calls and calls[-1].outcome == "retry":  # retries ran out: that attempt ended the stage
+                calls[-1] = calls[-1].model_copy(update={"outcome": "failed"})
+            raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     @staticmethod
     def _record(document: Document, stage: str, key: str, model: str, outcome: Any, tokens_in: int,

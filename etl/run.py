@@ -30,7 +30,8 @@ def default_llm(settings: Settings) -> LLM:
 
 def build_runner(pipeline: Pipeline, settings: Settings | None = None, *, llm: LLM | None = None,
                  store_url: str | None = None, idle_stop_s: float | None = None,
-                 on_progress: Callable[[RunStats], None] | None = None, metrics: Metrics | None = None) -> Runner:
+                 on_progress: Callable[[RunStats], None] | None = None, metrics: Metrics | None = None,
+                 replaying_dead_letters: bool = False) -> Runner:
     settings = settings or Settings()
     store = SqlStore(store_url or database_url(pipeline, settings))
     source = pipeline.source
@@ -38,12 +39,11 @@ def build_runner(pipeline: Pipeline, settings: Settings | None = None, *, llm: L
         source.bootstrap = source.bootstrap or settings.kafka_bootstrap
         source.consumer_config.setdefault("session_timeout_ms", settings.kafka_session_timeout_ms)
         source.consumer_config.setdefault("heartbeat_interval_ms", settings.kafka_session_timeout_ms // 4)
-    return Runner(
-        pipeline, store, llm or pipeline.llm or default_llm(settings),
-        max_in_flight=settings.max_in_flight, flush_size=settings.flush_size,
-        flush_interval_s=settings.flush_interval_s, claim_lease_s=settings.claim_lease_s,
-        store_retry_s=settings.store_retry_s, idle_stop_s=idle_stop_s, on_progress=on_progress, metrics=metrics,
-    )
+    llm = llm or pipeline.llm or default_llm(settings)
+    if llm.price_per_mtok == (0.0, 0.0) and llm.model_id in settings.prices:
+        llm.price_per_mtok = settings.prices[llm.model_id]
+    return Runner(pipeline, store, llm, settings, idle_stop_s=idle_stop_s, on_progress=on_progress, metrics=metrics,
+                  replaying_dead_letters=replaying_dead_letters)
 
 
 def replay_source(pipeline: Pipeline, since: datetime | None) -> KafkaSource:

@@ -34,6 +34,7 @@ from etl.llm.base import LLM
 from etl.log import get_logger
 from etl.metrics import Metrics
 from etl.pipeline import Pipeline
+from etl.settings import Settings
 from etl.tracker import OffsetTracker
 from schemas import DeadLetter, Document, Position
 
@@ -87,19 +88,18 @@ def _transient(exc: BaseException) -> bool:
 class Runner:
     """Runs one pipeline against one store with one model until the source ends or :meth:`stop`."""
 
-    def __init__(self, pipeline: Pipeline, store: Store, llm: LLM, *, max_in_flight: int = 16,
-                 flush_size: int = 200, flush_interval_s: float = 1.0, poll_timeout_s: float = 0.2,
-                 claim_lease_s: float = 30.0, store_retry_s: float = 120.0, idle_stop_s: float | None = None,
+    def __init__(self, pipeline: Pipeline, store: Store, llm: LLM, settings: Settings, *,
+                 idle_stop_s: float | None = None, replaying_dead_letters: bool = False,
                  on_progress: Callable[[RunStats], None] | None = None, metrics: Metrics | None = None) -> None:
         self.pipeline = pipeline
         self.store = store
         self.llm = llm
-        self.max_in_flight = max_in_flight
-        self.flush_size = flush_size
-        self.flush_interval_s = flush_interval_s
-        self.poll_timeout_s = poll_timeout_s
-        self.claim_lease_s = claim_lease_s
-        self.store_retry_s = store_retry_s
+        self.max_in_flight = settings.max_in_flight
+        self.flush_size = settings.flush_size
+        self.flush_interval_s = settings.flush_interval_s
+        self.poll_timeout_s = 0.2
+        self.claim_lease_s = settings.claim_lease_s
+        self.store_retry_s = settings.store_retry_s
         self.idle_stop_s = idle_stop_s
         self.on_progress = on_progress
         self.metrics = metrics
@@ -107,7 +107,9 @@ class Runner:
         self._lag_checked = 0.0
         self.worker_id = uuid.uuid4().hex[:16]
         peers = self if isinstance(store, SqlStore) else None
-        self.executor = Executor([StagePlan.of(s, llm) for s in pipeline.stages], llm, peers)
+        self.executor = Executor([StagePlan.of(s, llm) for s in pipeline.stages], llm, peers,
+                                 max_attempts=settings.llm_max_attempts, max_retry_s=settings.llm_max_retry_s,
+                                 repairs=settings.repairs, retry_dead_letters=replaying_dead_letters)
         self.tracker = OffsetTracker()
         self.stats = RunStats()
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store")
@@ -235,7 +237,7 @@ class Runner:
         for exc, message, epoch in bad:
             p = message.position
             outcome = DocumentOutcome(document=None)
-            if (p.stream, p.partition, p.offset) not in lookup.dead_positions:  # else: a redelivery
+            if self.executor.retry_dead_letters or (p.stream, p.partition, p.offset) not in lookup.dead_positions:
                 outcome = DocumentOutcome(document=None, dead_letter=DeadLetter(
                     position=p, reason=exc.reason, detail=str(exc), payload=message.value))
                 log.warning("dead_letter", reason=exc.reason, stream=p.stream, partition=p.partition, offset=p.offset)
@@ -287,7 +289,9 @@ class Runner:
 
     async def _flush(self) -> None:
         done, self._done = self._done, []
-        batch = Batch(outcomes=[outcome for outcome, _ in done], positions=self.tracker.take_watermarks())
+        positions = self.tracker.take_watermarks()
+        batch = Batch(outcomes=[outcome for outcome, _ in done],
+                      positions=positions if self.pipeline.source.records_positions else {})
         letters = [o.dead_letter for o in batch.outcomes if o.dead_letter is not None]
         if letters:
             await self._source(self.pipeline.source.publish_dead_letters, letters)

@@ -28,5 +28,12 @@ class Settings(BaseSettings):
     kafka_session_timeout_ms: int = Field(default=10_000, description="Consumer group session timeout.")
     claim_lease_s: float = Field(default=30.0, gt=0, description="How long a crashed worker's claim on a key blocks others.")
     store_retry_s: float = Field(default=120.0, ge=0, description="How long to wait out a database restart.")
+    llm_max_attempts: int = Field(default=4, ge=1, description="Attempts per model call for retryable failures.")
+    llm_max_retry_s: float = Field(default=60.0, ge=0, description="Longest time spent retrying one call.")
+    repairs: int = Field(default=1, ge=0, description="Re-asks after an invalid answer, showing the model its error.")
+    prices: dict[str, tuple[float, float]] = Field(
+        default_factory=dict,
+        description='USD per million (input, output) tokens by model id, e.g. {"gpt-4o-mini@https://...": [0.15, 0.6]}.',
+    )
     log_level: str = Field(default="warning", description="debug, info, warning or error.")
     log_json: bool = Field(default=False, description="JSON log lines (production) instead of console lines.")

@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict
 
 from schemas.document import Position
 
+#: ok: a valid answer. retry: a transient failure, retried. repair: an invalid answer, re-asked with
+#: its error. failed: the attempt that ended the stage. cache_hit: no call; tokens and cost it saved.
 CallOutcome = Literal["ok", "cache_hit", "retry", "repair", "failed"]
 
 
@@ -27,6 +29,9 @@ class Provenance(BaseModel):
     tokens_out: int
     cost: float
     latency_ms: float
+    #: How the schema was enforced: "outlines", "json_schema", "json_object", "none", or None (fake).
+    structured: str | None = None
+    system_fingerprint: str | None = None
 
 
 class StageResult(BaseModel):

@@ -13,7 +13,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
+from etl.log import configure
+
 ROOT = Path(__file__).resolve().parents[1]
+
+# Tests read warnings and failures, not every flush; set ETL_LOG_LEVEL=debug to see them.
+configure(os.environ.get("ETL_LOG_LEVEL", "warning"))
 EXAMPLES = ROOT / "examples" / "data"
 
 

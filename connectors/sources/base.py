@@ -43,8 +43,9 @@ class Source(ABC):
     """Where messages come from. ``value_format`` tells the decoder how to read ``Message.value``."""
 
     value_format: Literal["json", "text"] = "json"
-    #: A replay source re-reads from the start; the store keeps it from costing or writing anything.
     name: str = "source"
+    #: False for sources that re-read old positions (dead-letter replay): never store their positions.
+    records_positions: bool = True
 
     def open(self, ledger: PartitionLedger) -> None:  # noqa: B027 - optional hook
         """Called once before the first poll. Partitioned sources seek each partition they are given

@@ -27,6 +27,8 @@ class CacheEntry:
     tokens_in: int
     tokens_out: int
     cost: float
+    structured: str | None = None
+    system_fingerprint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,8 @@ class DocumentOutcome:
     calls: tuple[CallRecord, ...] = ()
     cache: tuple[CacheEntry, ...] = ()
     dead_letter: DeadLetter | None = None
+    #: The document had an open dead letter and now has its results: it leaves quarantine.
+    resolves_dead_letter: bool = False
 
 
 @dataclass

@@ -30,12 +30,17 @@ def status(engine: Engine, pipeline: str | None = None,
         ).where(where(stage_results)).group_by(stage_results.c.pipeline, stage_results.c.stage)
         .order_by(stage_results.c.pipeline, stage_results.c.stage),
         "calls": select(
-            llm_calls.c.pipeline, llm_calls.c.stage, llm_calls.c.model, llm_calls.c.outcome,
-            func.count().label("calls"), func.sum(llm_calls.c.tokens_in).label("tokens_in"),
-            func.sum(llm_calls.c.tokens_out).label("tokens_out"), func.sum(llm_calls.c.cost).label("cost"),
-        ).where(where(llm_calls)).group_by(llm_calls.c.pipeline, llm_calls.c.stage, llm_calls.c.model,
-                                            llm_calls.c.outcome)
-        .order_by(llm_calls.c.pipeline, llm_calls.c.stage, llm_calls.c.outcome),
+            llm_calls.c.pipeline, llm_calls.c.tenant, llm_calls.c.stage, llm_calls.c.model,
+            func.sum(case((llm_calls.c.outcome != "cache_hit", 1), else_=0)).label("attempts"),
+            func.sum(case((llm_calls.c.outcome.in_(("retry", "repair", "failed")), 1), else_=0)).label("not_ok"),
+            func.sum(case((llm_calls.c.outcome == "cache_hit", 1), else_=0)).label("cache_hits"),
+            func.sum(case((llm_calls.c.outcome != "cache_hit", llm_calls.c.tokens_in + llm_calls.c.tokens_out),
+                          else_=0)).label("tokens"),
+            func.sum(case((llm_calls.c.outcome != "cache_hit", llm_calls.c.cost), else_=0.0)).label("spent"),
+            func.sum(case((llm_calls.c.outcome == "cache_hit", llm_calls.c.cost), else_=0.0)).label("saved"),
+        ).where(where(llm_calls)).group_by(llm_calls.c.pipeline, llm_calls.c.tenant, llm_calls.c.stage,
+                                            llm_calls.c.model)
+        .order_by(llm_calls.c.pipeline, llm_calls.c.tenant, llm_calls.c.stage, llm_calls.c.model),
         "dead_letters": select(dead_letters.c.pipeline, dead_letters.c.reason, dead_letters.c.status,
                                func.count().label("count"))
         .where(where(dead_letters)).group_by(dead_letters.c.pipeline, dead_letters.c.reason, dead_letters.c.status)
@@ -58,3 +63,23 @@ def status(engine: Engine, pipeline: str | None = None,
             for (stream, partition), end in sorted(end_offsets.items())
         ]
     return found
+
+
+def open_dead_letters(engine: Engine, pipeline: str | None, reason: str | None,
+                      limit: int) -> tuple[list[dict[str, Any]], int]:
+    """(newest open dead letters, how many are open in all) for ``etl dlq list``."""
+    if not inspect(engine).has_table("dead_letters"):
+        return [], 0
+    c = dead_letters.c
+    where = [c.status == "open"]
+    if pipeline:
+        where.append(c.pipeline == pipeline)
+    if reason:
+        where.append(c.reason == reason)
+    with engine.connect() as conn:
+        total = conn.execute(select(func.count()).select_from(dead_letters).where(*where)).scalar_one()
+        found = conn.execute(
+            select(c.id, c.pipeline, c.reason, c.stage, c.tenant, c.doc_key, c.stream, c.partition,
+                   c.message_offset, c.detail).where(*where).order_by(c.id.desc()).limit(limit)
+        ).mappings()
+        return [dict(row) for row in found], total

@@ -8,7 +8,21 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
-from sqlalchemy import Connection, Engine, MetaData, Table, create_engine, delete, event, func, inspect, select, tuple_
+from sqlalchemy import (
+    Connection,
+    Engine,
+    MetaData,
+    Table,
+    bindparam,
+    create_engine,
+    delete,
+    event,
+    func,
+    inspect,
+    select,
+    tuple_,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 
 from connectors.store.base import Batch, CacheEntry, DocRef, Lookup, Store
@@ -228,7 +242,31 @@ class SqlStore(Store, Claims):
         for name, rows in typed.items():
             self._upsert(conn, self._typed[name], list(rows.values()), TYPED_KEY_COLUMNS, "cache_key")
         self._upsert(conn, llm_cache, list(cache.values()), ("cache_key",), None)
-        self._upsert(conn, dead_letters, dead, ("pipeline", "stream", "partition", "message_offset"), None)
+        if dead:
+            # A message that fails again (a replay) keeps one dead letter, with the latest reason.
+            stmt = self._insert(dead_letters)
+            stmt = stmt.on_conflict_do_update(
+                index_elements=["pipeline", "stream", "partition", "message_offset"],
+                set_={c: stmt.excluded[c] for c in ("tenant", "doc_key", "stage", "cache_key", "reason", "detail",
+                                                    "raw_output", "status")},
+            )
+            conn.execute(stmt, dead)
+        resolved = [
+            {"p": pipeline, "t": o.document.tenant, "k": o.document.key, "s": o.document.position.stream,
+             "pa": o.document.position.partition, "o": o.document.position.offset}
+            for o in batch.outcomes if o.resolves_dead_letter and o.document is not None and o.dead_letter is None
+        ]
+        if resolved:
+            c = dead_letters.c
+            conn.execute(
+                update(dead_letters).where(
+                    c.pipeline == bindparam("p"), c.status == "open",
+                    ((c.tenant == bindparam("t")) & (c.doc_key == bindparam("k")))
+                    | ((c.stream == bindparam("s")) & (c.partition == bindparam("pa"))
+                       & (c.message_offset == bindparam("o"))),
+                ).values(status="replayed"),
+                resolved,
+            )
         if calls:
             conn.execute(llm_calls.insert(), calls)
         # Results and failures are durable now: nobody needs to wait on these keys any more.

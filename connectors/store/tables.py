@@ -81,6 +81,8 @@ stage_results = Table(
     Column("tokens_out", Integer, nullable=False),
     Column("cost", Float, nullable=False),
     Column("latency_ms", Float, nullable=False),
+    Column("structured", String(20)),
+    Column("system_fingerprint", String(200)),
     _now(),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     UniqueConstraint("pipeline", "tenant", "doc_key", "stage", name="uq_stage_results_doc_stage"),
@@ -98,6 +100,8 @@ llm_cache = Table(
     Column("tokens_in", Integer, nullable=False),
     Column("tokens_out", Integer, nullable=False),
     Column("cost", Float, nullable=False),
+    Column("structured", String(20)),
+    Column("system_fingerprint", String(200)),
     _now(),
 )
 

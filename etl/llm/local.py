@@ -58,7 +58,7 @@ class LocalLLM(LLM):
         self.repeat_penalty = repeat_penalty
         self.params = {"decoding": "greedy", "repeat_penalty": repeat_penalty, "n_ctx": n_ctx,
                        "constraint": "outlines-json-schema"}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama")
+        self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._llama: Any = None
         self._backend: Any = None
@@ -126,7 +126,12 @@ class LocalLLM(LLM):
         )
 
     async def generate(self, request: LLMRequest) -> LLMResponse:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama")
         return await asyncio.get_running_loop().run_in_executor(self._executor, self.generate_sync, request)
 
     async def aclose(self) -> None:
-        self._executor.shutdown(wait=True)
+        """Stops the worker thread; the loaded model stays, so the object can be used again."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None

@@ -2,15 +2,36 @@
 
 from __future__ import annotations
 
+import json
+import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ValidationError
 
-from etl.errors import ConfigError, SchemaInvalid, Truncated
-from etl.llm.base import LLMResponse, Message
+from etl.errors import ConfigError, Refusal, SchemaInvalid, SemanticInvalid, Truncated
+from etl.llm.base import LLMRequest, LLMResponse, Message
+from etl.validators import Validator, validator_name
 from schemas import Document
+
+#: Plain-text answers that decline rather than answer (for backends without a refusal field).
+_REFUSAL = re.compile(r"^\s*(i'?m sorry|i am sorry|i can(?:no|')t|i cannot|i won'?t|as an ai)", re.IGNORECASE)
+
+
+def _embedded_json(text: str) -> Any:
+    """The first JSON object inside prose ("Sure! Here it is: {...} Hope that helps"), or None."""
+    decoder = json.JSONDecoder()
+    start = text.find("{")
+    while start != -1:
+        try:
+            value, _ = decoder.raw_decode(text, start)
+            if isinstance(value, dict):
+                return value
+        except json.JSONDecodeError:
+            pass
+        start = text.find("{", start + 1)
+    return None
 
 #: ``when=`` predicates see the validated outputs of the stages before them, by stage name.
 Outputs = Mapping[str, BaseModel]
@@ -28,7 +49,8 @@ class Stage(ABC):
     #: Bump when a change to the class alters outputs for the same prompt and schema.
     version: ClassVar[int] = 1
 
-    def __init__(self, name: str, instructions: str, when: Predicate | None, max_tokens: int) -> None:
+    def __init__(self, name: str, instructions: str, when: Predicate | None, max_tokens: int,
+                 validators: Sequence[Validator] = ()) -> None:
         if not name.isidentifier():
             raise ConfigError(f"stage name {name!r} must be a Python identifier (letters, digits, _)")
         if not instructions.strip():
@@ -37,6 +59,7 @@ class Stage(ABC):
         self.instructions = instructions.strip()
         self.when = when
         self.max_tokens = max_tokens
+        self.validators = list(validators)
 
     @property
     @abstractmethod
@@ -70,26 +93,52 @@ class Stage(ABC):
             "schema": self.llm_schema(),
             "output_schema": self.output_model.model_json_schema(),
             "max_tokens": self.max_tokens,
+            "validators": [validator_name(v) for v in self.validators],
         }
 
     def applies(self, outputs: Outputs) -> bool:
         return self.when is None or bool(self.when(outputs))
 
     def parse(self, response: LLMResponse) -> BaseModel:
-        """Validates an answer, whatever the backend promised: a constraint can fail silently.
+        """Validates an answer in layers, whatever the backend promised (a constraint can fail
+        silently): syntax → schema → semantic validators.
 
         Raises:
-            Truncated: the answer stopped at the token limit.
-            SchemaInvalid: the answer is not JSON or does not match ``output_model``.
+            Truncated: the answer stopped at the token limit (not a parse error).
+            Refusal: the answer declines instead of answering.
+            SchemaInvalid: no JSON object in the answer, or it does not match ``output_model``.
+            SemanticInvalid: it matches the schema but a validator rejects it.
         """
+        text = response.text
         if response.finish_reason == "length":
-            raise Truncated(f"answer hit max_tokens={self.max_tokens}", raw=response.text)
+            raise Truncated(f"answer hit max_tokens={self.max_tokens}", raw=text)
+        if response.finish_reason == "refusal":
+            raise Refusal(f"the model refused: {text[:200]}", raw=text)
         try:
-            return self.output_model.model_validate_json(response.text)
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            data = _embedded_json(text)
+            if data is None:
+                if _REFUSAL.match(text):
+                    raise Refusal("the model declined to answer", raw=text) from None
+                raise SchemaInvalid("the answer is not JSON", raw=text) from None
+        try:
+            output = self.output_model.model_validate(data)
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "answer"
-            raise SchemaInvalid(f"{where}: {first['msg']}", raw=response.text) from exc
+            raise SchemaInvalid(f"{where}: {first['msg']}", raw=text) from exc
+        for validator in self.validators:
+            if (problem := validator(output)) is not None:
+                raise SemanticInvalid(problem, raw=text)
+        return output
+
+    def repair(self, request: LLMRequest, answer: str, problem: str) -> LLMRequest:
+        """The re-ask after an invalid answer: the conversation so far, and what was wrong."""
+        messages = [*request.messages, {"role": "assistant", "content": answer},
+                    {"role": "user", "content": f"That answer is invalid: {problem}. "
+                                                "Reply again with the corrected JSON object only."}]
+        return LLMRequest(messages=messages, json_schema=request.json_schema, max_tokens=request.max_tokens)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

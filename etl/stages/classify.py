@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field, create_model
 from etl.errors import ConfigError
 from etl.llm.base import LLMResponse
 from etl.stages.base import Outputs, Predicate, Stage
+from etl.validators import Validator
 from schemas import Classification
 
 
@@ -30,6 +31,7 @@ class Classify(Stage):
         name: str = "classify",
         when: Predicate | None = None,
         max_tokens: int = 48,
+        validators: Sequence[Validator] = (),
     ) -> None:
         labels = list(labels)
         if not labels:
@@ -39,7 +41,7 @@ class Classify(Stage):
             raise ConfigError(f"stage {name!r}: duplicate labels {dupes}; each label must appear once")
         if any(not isinstance(label, str) or not label.strip() for label in labels):
             raise ConfigError(f"stage {name!r}: every label must be a non-empty string")
-        super().__init__(name, instructions, when, max_tokens)
+        super().__init__(name, instructions, when, max_tokens, validators)
         self.labels = labels
         self._model: type[BaseModel] = create_model(
             f"{name}_classification",

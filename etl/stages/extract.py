@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel
 
 from etl.errors import ConfigError
 from etl.stages.base import Predicate, Stage
+from etl.validators import Validator
 
 
 def _snake(name: str) -> str:
@@ -33,10 +35,11 @@ class Extract(Stage):
         when: Predicate | None = None,
         table: str | None = None,
         max_tokens: int = 256,
+        validators: Sequence[Validator] = (),
     ) -> None:
         if not (isinstance(schema, type) and issubclass(schema, BaseModel)):
             raise ConfigError(f"Extract(schema=...) needs a pydantic model class, got {schema!r}")
-        super().__init__(name or _snake(schema.__name__), instructions, when, max_tokens)
+        super().__init__(name or _snake(schema.__name__), instructions, when, max_tokens, validators)
         self.schema = schema
         self.table = table or _snake(schema.__name__)
         if not self.table.isidentifier():

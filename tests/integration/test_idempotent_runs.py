@@ -135,10 +135,14 @@ async def test_bad_lines_become_dead_letters_and_the_run_goes_on(tmp_path: Path,
 
 async def test_terminal_model_failure_is_a_dead_letter_and_not_retried_on_redelivery(sqlite_url: str) -> None:
     docs = [{"id": "1", "text": "fine"}, {"id": "2", "text": "model answers nonsense"}]
-    llm = FakeLLM(answer=lambda r: "nonsense" if "nonsense" in r.messages[-1]["content"] else {"label": "invoice"})
+    llm = FakeLLM(answer=lambda r: "nonsense" if "nonsense" in r.messages[1]["content"] else {"label": "invoice"})
     stats = await run_pipeline(Pipeline("t", ListSource(docs), [Classify(LABELS)], store=sqlite_url), llm=llm)
     assert stats.dead_letters == 1 and stats.results_written == 1
     assert rows(sqlite_url, "SELECT doc_key, reason, raw_output FROM dead_letters") == [("2", "schema_invalid", "nonsense")]
+    # the invalid answer was shown back to the model once (a repair), then the stage gave up
+    assert rows(sqlite_url, "SELECT outcome, error FROM llm_calls WHERE doc_key = '2' ORDER BY id") == [
+        ("repair", "schema_invalid"), ("failed", "schema_invalid")]
+    assert "That answer is invalid" in llm.calls[-1].messages[-1]["content"]
     assert rows(sqlite_url, "SELECT count(*) FROM llm_cache")[0][0] == 1  # only validated outputs are cached
     again = FakeLLM(answer=llm.answer)
     await run_pipeline(Pipeline("t", ListSource(docs), [Classify(LABELS)], store=sqlite_url), llm=again)

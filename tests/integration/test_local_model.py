@@ -7,12 +7,19 @@ it answers in prose, so only a constraint that really ran can make every answer 
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 
+import httpx
 import pytest
 from pydantic import ValidationError
 
-from etl import Classify, Extract, LocalLLM, Pipeline, Receipt, run_pipeline
+from etl import Classify, Extract, LLMError, LocalLLM, Pipeline, Receipt, run_pipeline
 from etl.llm.base import LLMRequest
+from etl.llm.openai_compat import OpenAICompatibleLLM
 from etl.testing import ListSource
 from tests.conftest import EXAMPLES
 from tests.helpers import counts, rows
@@ -32,6 +39,34 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def llm() -> LocalLLM:
     return LocalLLM(n_ctx=2048)
+
+
+@pytest.fixture(scope="module")
+def llama_server(llm: LocalLLM) -> Iterator[str]:
+    """llama.cpp's own OpenAI-compatible server, serving the same SmolLM2 file on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llama_cpp.server", "--model", str(llm.path), "--host", "127.0.0.1",
+         "--port", str(port), "--n_ctx", "2048", "--verbose", "false"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/models", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"llama_cpp.server did not start: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
+        time.sleep(0.5)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
 
 
 def test_constraint_is_really_applied(llm: LocalLLM) -> None:
@@ -74,3 +109,34 @@ async def test_real_model_pipeline_outputs_are_schema_valid(llm: LocalLLM, sqlit
     again = await run_pipeline(Pipeline("real", ListSource(docs), p.stages, store=sqlite_url), llm=llm)
     assert again.llm_calls == 0 and counts(sqlite_url) == before
     assert len(intents) == 77  # the example's label set is intact
+
+
+async def test_same_pipeline_on_local_model_and_on_llama_cpp_server(llm: LocalLLM, llama_server: str,
+                                                                   tmp_path: object) -> None:
+    """The pipeline does not change with the backend; both give schema-valid results."""
+    receipts = [json.loads(line) for line in (EXAMPLES / "receipts.jsonl").read_text().splitlines()[3:5]]
+    docs = [{"id": r["id"], "text": r["text"]} for r in receipts]
+    stages = [Classify(["receipt", "letter", "advert"], "What kind of document is this?", name="kind"),
+              Extract(Receipt, "Extract the receipt's key fields.", table="receipt")]
+    server = OpenAICompatibleLLM(llama_server, "smollm2", structured="json_object", timeout_s=120)
+    for backend in (llm, server):
+        url = f"sqlite:///{tmp_path}/{type(backend).__name__}.db"
+        stats = await run_pipeline(Pipeline("same", ListSource(docs), stages, store=url), llm=backend)
+        assert stats.results_written == 4 and stats.dead_letters == 0, (type(backend).__name__, stats)
+        for stage, output in rows(url, "SELECT stage, output FROM stage_results"):
+            (Receipt if stage == "receipt" else stages[0].output_model).model_validate_json(output)
+        structured = {s for (s,) in rows(url, "SELECT DISTINCT structured FROM stage_results")}
+        assert structured == ({"outlines"} if backend is llm else {"json_object"})
+
+
+async def test_llama_cpp_server_rejects_json_schema_mode(llama_server: str) -> None:
+    """What DESIGN.md says of llama.cpp's server, so users pick json_object for it. It answers with
+    HTTP 500 (not a 4xx), so the client can only treat it as a provider error."""
+    server = OpenAICompatibleLLM(llama_server, "smollm2", structured="json_schema", timeout_s=60)
+    request = LLMRequest(messages=[{"role": "user", "content": "hi"}], json_schema=Receipt.model_json_schema())
+    try:
+        with pytest.raises(LLMError, match="provider error 500") as info:
+            await server.generate(request)
+        assert info.value.reason == "provider_error"
+    finally:
+        await server.aclose()
