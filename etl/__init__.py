@@ -10,6 +10,7 @@ from connectors.sources.kafka import KafkaSource
 from etl.decode import Decoder
 from etl.errors import (
     BadInput,
+    BudgetExceeded,
     ConfigError,
     ContextOverflow,
     EtlError,
@@ -23,17 +24,19 @@ from etl.errors import (
     TransientLLMError,
     Truncated,
 )
-from etl.llm import LLM, LLMRequest, LLMResponse, LocalLLM
+from etl.llm import LLM, LLMRequest, LLMResponse, LocalLLM, OpenAICompatibleLLM
 from etl.pipeline import Pipeline, load_pipeline
 from etl.run import run_pipeline
 from etl.runner import RunStats
 from etl.settings import Settings
 from etl.stages import Classify, Extract, Stage, label_in
+from etl.validators import Check, date_parses, non_negative, not_empty
 from schemas import Classification, Receipt
 
 __all__ = [
     "LLM",
     "BadInput",
+    "BudgetExceeded",
     "Classification",
     "Classify",
     "ConfigError",
@@ -49,6 +52,7 @@ __all__ = [
     "LLMResponse",
     "ListSource",
     "LocalLLM",
+    "OpenAICompatibleLLM",
     "OutputError",
     "Pipeline",
     "Receipt",
@@ -63,7 +67,11 @@ __all__ = [
     "StoreError",
     "TransientLLMError",
     "Truncated",
+    "Check",
+    "date_parses",
     "label_in",
+    "non_negative",
+    "not_empty",
     "load_pipeline",
     "run_pipeline",
 ]

@@ -25,7 +25,8 @@ app.add_typer(db_app, name="db")
 dlq_app = typer.Typer(no_args_is_help=True, help="Quarantined messages: list them, replay them after a fix.")
 app.add_typer(dlq_app, name="dlq")
 console = Console(stderr=True)
-out = Console()
+# Piped or captured output gets wide tables rather than columns cut to 80 characters.
+out = Console(width=None if sys.stdout.isatty() else 200)
 
 DbOption = Annotated[str | None, typer.Option("--db", help="SQLAlchemy URL; default: the pipeline's, then ETL_DATABASE_URL.")]
 

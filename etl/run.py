@@ -23,6 +23,15 @@ def database_url(pipeline: Pipeline | None, settings: Settings) -> str:
 
 
 def default_llm(settings: Settings) -> LLM:
+    """The pipeline's model when it names none: ETL_LLM_BASE_URL's endpoint, else the local model."""
+    if settings.llm_base_url:
+        from etl.llm.openai_compat import OpenAICompatibleLLM  # noqa: PLC0415
+
+        return OpenAICompatibleLLM(
+            settings.llm_base_url, settings.llm_model, api_key=settings.llm_api_key,
+            structured=settings.llm_structured, timeout_s=settings.llm_timeout_s,
+            requests_per_s=settings.llm_requests_per_s, tokens_per_min=settings.llm_tokens_per_min,
+        )
     from etl.llm.local import LocalLLM  # noqa: PLC0415 - loads llama.cpp lazily
 
     return LocalLLM(settings.model_path, threads=settings.model_threads)

