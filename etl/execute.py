@@ -10,7 +10,7 @@ import asyncio
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -26,10 +26,11 @@ from tenacity import (
 
 from connectors.store import CacheEntry, DocumentOutcome, Lookup
 from dedup import SingleFlight, cache_key, canonical_json, sha256_hex, stage_fingerprint
-from etl.errors import EtlError, LLMError, OutputError, SchemaInvalid, SemanticInvalid
+from etl.errors import BudgetExceeded, EtlError, LLMError, OutputError, SchemaInvalid, SemanticInvalid
 from etl.llm.base import LLM, LLMRequest, LLMResponse
 from etl.log import get_logger
 from etl.stages import Extract, Stage
+from etl.tenancy import ReviewSampling, TenantBudgets
 from schemas import CallRecord, DeadLetter, Document, Provenance, StageResult
 
 
@@ -52,12 +53,14 @@ class StagePlan:
     fingerprint: str
     prompt_hash: str
     schema_hash: str
+    llm: LLM
 
     @classmethod
     def of(cls, stage: Stage, llm: LLM) -> StagePlan:
         spec = {**stage.spec(), "model": llm.model_id, "params": llm.params}
         return cls(
             stage=stage,
+            llm=llm,
             fingerprint=stage_fingerprint(spec),
             prompt_hash=sha256_hex(canonical_json([spec["system"], spec["user"]])),
             schema_hash=sha256_hex(canonical_json(spec["schema"])),
@@ -114,10 +117,17 @@ class Executor:
     """Runs the stages of a pipeline for one document at a time (many concurrently)."""
 
     def __init__(self, plans: Sequence[StagePlan], llm: LLM, peers: Peers | None = None, max_attempts: int = 4,
-                 max_retry_s: float = 60.0, repairs: int = 1, retry_dead_letters: bool = False) -> None:
+                 max_retry_s: float = 60.0, repairs: int = 1, retry_dead_letters: bool = False,
+                 tenant_plans: Callable[[str], list[StagePlan]] | None = None, budgets: TenantBudgets | None = None,
+                 review: ReviewSampling | None = None) -> None:
         self.plans = list(plans)
         self.llm = llm
         self.peers = peers
+        self._tenant_plans = tenant_plans
+        self.budgets = budgets
+        self.review = review
+        #: (tenant, stage, label) already sampled as a first sighting (loaded by the runner).
+        self.seen_labels: set[tuple[str, str, str]] = set()
         self.flights: SingleFlight[Computed] = SingleFlight()
         self.max_attempts = max_attempts
         self.max_retry_s = max_retry_s
@@ -125,8 +135,11 @@ class Executor:
         #: ``etl dlq replay``: quarantined documents are retried instead of being no-ops.
         self.retry_dead_letters = retry_dead_letters
 
+    def plans_for(self, tenant: str) -> list[StagePlan]:
+        return self._tenant_plans(tenant) if self._tenant_plans is not None else self.plans
+
     def keys(self, document: Document) -> list[str]:
-        return [plan.key(document) for plan in self.plans]
+        return [plan.key(document) for plan in self.plans_for(document.tenant)]
 
     async def run(self, document: Document, payload: bytes, lookup: Lookup) -> tuple[DocumentOutcome, Tally]:
         tally = Tally()
@@ -136,7 +149,8 @@ class Executor:
         calls: list[CallRecord] = []
         cache: list[CacheEntry] = []
         ref = (document.tenant, document.key)
-        for plan in self.plans:
+        reviews: list[tuple[str, dict[str, Any], str]] = []
+        for plan in self.plans_for(document.tenant):
             stage = plan.stage
             try:
                 applies = stage.applies(outputs)
@@ -201,11 +215,15 @@ class Executor:
             ))
             if isinstance(stage, Extract):
                 typed.append((stage.table, {**output.model_dump(), "cache_key": key}))
+            if self.review is not None and (why := self.review.reason(
+                    document.tenant, stage.name, document.key, entry.output, self.seen_labels)):
+                reviews.append((stage.name, entry.output, why))
         quarantined = ref in lookup.dead
         if not results and not quarantined:
             return DocumentOutcome(document=None), tally
         return DocumentOutcome(document=document, results=tuple(results), typed_rows=tuple(typed),
-                               calls=tuple(calls), cache=tuple(cache), resolves_dead_letter=quarantined), tally
+                               calls=tuple(calls), cache=tuple(cache), resolves_dead_letter=quarantined,
+                               reviews=tuple(reviews)), tally
 
     async def _claim_or_wait(self, plan: StagePlan, document: Document, key: str) -> Computed:
         """Calls the model only while holding the key's claim; otherwise waits for the holder's
@@ -225,6 +243,10 @@ class Executor:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
+    async def compute_fresh(self, plan: StagePlan, document: Document) -> Computed:
+        """An answer from the model itself, bypassing the cache and claims (what an eval measures)."""
+        return await self._compute(plan, document, plan.key(document))
+
     async def _compute(self, plan: StagePlan, document: Document, key: str) -> Computed:
         """Asks the model, retrying transient failures and re-asking (``repairs`` times) after an
         invalid answer, and validates the final answer in layers. Every attempt becomes a call
@@ -236,8 +258,12 @@ class Executor:
         repairs_left = self.repairs
         try:
             while True:
-                response = await self._call(request, document, stage.name, key, calls)
-                cost = self.llm.cost(response.tokens_in, response.tokens_out)
+                if self.budgets is not None and not await self.budgets.allows(document.tenant):
+                    raise BudgetExceeded(f"tenant {document.tenant!r} spent its daily token budget")
+                response = await self._call(plan.llm, request, document, stage.name, key, calls)
+                if self.budgets is not None:
+                    self.budgets.spend(document.tenant, response.tokens_in + response.tokens_out)
+                cost = plan.llm.cost(response.tokens_in, response.tokens_out)
                 record = functools.partial(self._record, document, stage.name, key, response.model,
                                            tokens_in=response.tokens_in, tokens_out=response.tokens_out, cost=cost,
                                            latency_ms=response.latency_ms)
@@ -269,7 +295,7 @@ class Executor:
         return Computed(entry=entry, calls=calls, attempts=len(calls),
                         latency_ms=(time.perf_counter() - started) * 1000)
 
-    async def _call(self, request: LLMRequest, document: Document, stage: str, key: str,
+    async def _call(self, llm: LLM, request: LLMRequest, document: Document, stage: str, key: str,
                     calls: list[CallRecord]) -> LLMResponse:
         """One answer from the model, retrying only what ``retryable`` says can succeed later,
         waiting as long as the provider's Retry-After asks, within the attempt and time caps."""
@@ -284,9 +310,9 @@ class Executor:
                 with attempt:
                     t0 = time.perf_counter()
                     try:
-                        response = await self.llm.generate(request)
+                        response = await llm.generate(request)
                     except LLMError as exc:
-                        calls.append(self._record(document, stage, key, self.llm.model_id,
+                        calls.append(self._record(document, stage, key, llm.model_id,
                                                   "retry" if exc.retryable else "failed", 0, 0, 0.0,
                                                   (time.perf_counter() - t0) * 1000, error=exc.reason))
                         raise

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from etl.decode import Decoder
 from etl.errors import ConfigError
 from etl.llm.base import LLM
 from etl.stages import Classify, Extract, LabelIn, Stage
+from etl.tenancy import ReviewSampling
 
 
 class Pipeline:
@@ -26,6 +27,12 @@ class Pipeline:
         store: A SQLAlchemy URL; None uses the ``ETL_DATABASE_URL`` setting (default: SQLite file).
         llm: A backend; None uses LocalLLM (SmolLM2-135M-Instruct, constrained by outlines).
         decoder: How message bytes become documents (content, key and tenant fields).
+        tenant_overrides: ``{tenant: {stage name: {argument: value}}}``, e.g. other instructions or
+            labels for one tenant. Overrides are part of that tenant's stage fingerprints.
+        tenant_llms: ``{tenant: LLM}``: a tenant's own model.
+        budgets: ``{tenant: tokens per UTC day}``; beyond it documents are quarantined with reason
+            ``budget_exceeded`` (replay them with ``etl dlq replay`` the next day).
+        review: Which results are sampled into the review queue (None: none).
     """
 
     def __init__(
@@ -36,6 +43,11 @@ class Pipeline:
         store: str | None = None,
         llm: LLM | None = None,
         decoder: Decoder | None = None,
+        *,
+        tenant_overrides: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None,
+        tenant_llms: Mapping[str, LLM] | None = None,
+        budgets: Mapping[str, int] | None = None,
+        review: ReviewSampling | None = ReviewSampling(),  # noqa: B008 - frozen, shared safely
     ) -> None:
         if not name or not name.replace("-", "_").isidentifier():
             raise ConfigError(f"pipeline name {name!r} must be letters, digits, '-' or '_'")
@@ -47,7 +59,23 @@ class Pipeline:
         self.store = store
         self.llm = llm
         self.decoder = decoder or Decoder()
+        self.tenant_llms = dict(tenant_llms or {})
+        self.budgets = dict(budgets or {})
+        self.review = review
         self._check()
+        names = {stage.name: stage for stage in self.stages}
+        self.tenant_stages: dict[str, list[Stage]] = {}
+        for tenant, by_stage in (tenant_overrides or {}).items():
+            unknown = sorted(set(by_stage) - set(names))
+            if unknown:
+                raise ConfigError(f"tenant_overrides[{tenant!r}] names unknown stage(s) {unknown}")
+            self.tenant_stages[tenant] = [
+                stage.override(**by_stage[stage.name]) if stage.name in by_stage else stage for stage in self.stages
+            ]
+
+    def stages_for(self, tenant: str) -> list[Stage]:
+        """The stages as this tenant runs them (with its overrides)."""
+        return self.tenant_stages.get(tenant, self.stages)
 
     def _check(self) -> None:
         seen: dict[str, Stage] = {}

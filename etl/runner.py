@@ -18,6 +18,7 @@ import asyncio
 import collections
 import time
 import uuid
+from datetime import date, datetime, timezone
 from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from etl.log import get_logger
 from etl.metrics import Metrics
 from etl.pipeline import Pipeline
 from etl.settings import Settings
+from etl.tenancy import TenantBudgets
 from etl.tracker import OffsetTracker
 from schemas import DeadLetter, Document, Position
 
@@ -107,9 +109,19 @@ class Runner:
         self._lag_checked = 0.0
         self.worker_id = uuid.uuid4().hex[:16]
         peers = self if isinstance(store, SqlStore) else None
+        plans: dict[str, list[StagePlan]] = {}
+
+        def tenant_plans(tenant: str) -> list[StagePlan]:
+            if tenant not in plans:
+                model = pipeline.tenant_llms.get(tenant, llm)
+                plans[tenant] = [StagePlan.of(stage, model) for stage in pipeline.stages_for(tenant)]
+            return plans[tenant]
+
+        budgets = TenantBudgets(pipeline.budgets, self._tokens_spent) if pipeline.budgets else None
         self.executor = Executor([StagePlan.of(s, llm) for s in pipeline.stages], llm, peers,
                                  max_attempts=settings.llm_max_attempts, max_retry_s=settings.llm_max_retry_s,
-                                 repairs=settings.repairs, retry_dead_letters=replaying_dead_letters)
+                                 repairs=settings.repairs, retry_dead_letters=replaying_dead_letters,
+                                 tenant_plans=tenant_plans, budgets=budgets, review=pipeline.review)
         self.tracker = OffsetTracker()
         self.stats = RunStats()
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store")
@@ -159,6 +171,12 @@ class Runner:
         found: Lookup = await self._store(self.store.lookup, self.pipeline.name, [], [key])
         return found.cache.get(key)
 
+    async def _tokens_spent(self, tenant: str, day: date) -> int:
+        if not isinstance(self.store, SqlStore):
+            return 0
+        since = datetime(day.year, day.month, day.day, tzinfo=timezone.utc)
+        return await self._store(self.store.tokens_spent, tenant, since)
+
     # PartitionLedger: called by the source from inside poll.
     def stored_position(self, stream: str, partition: int) -> int | None:
         return self.store.stored_position(self.pipeline.name, stream, partition)
@@ -175,6 +193,8 @@ class Runner:
             await self._store(self.store.prepare, self.pipeline.extract_tables)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
+        if isinstance(self.store, SqlStore) and self.pipeline.review is not None:
+            self.executor.seen_labels = await self._store(self.store.sampled_labels, self.pipeline.name)
         await self._source(source.open, self)
         self._last_flush = last_message = time.perf_counter()
         exhausted = False

@@ -43,6 +43,8 @@ class DocumentOutcome:
     dead_letter: DeadLetter | None = None
     #: The document had an open dead letter and now has its results: it leaves quarantine.
     resolves_dead_letter: bool = False
+    #: (stage, output, why) sampled for human review.
+    reviews: tuple[tuple[str, dict[str, Any], str], ...] = ()
 
 
 @dataclass

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterable, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +35,12 @@ from connectors.store.tables import (
     llm_cache,
     llm_calls,
     llm_claims,
+    review_queue,
     source_positions,
     stage_results,
     typed_table,
 )
+from connectors.store.security import protect_tenant_table
 from dedup import Claims
 
 MIGRATIONS = Path(__file__).parent / "migrations"
@@ -63,14 +67,15 @@ def make_engine(url: str) -> Engine:
 def upgrade(engine: Engine) -> None:
     """Runs the Alembic migrations to head on ``engine`` (what ``etl db upgrade`` does)."""
     with engine.begin() as conn:
-        _migrate(conn)
+        migrate(conn)
 
 
 #: Any constant: the PostgreSQL advisory lock that serialises workers migrating at the same time.
 _MIGRATION_LOCK = 0x1DE3E7
 
 
-def _migrate(conn: Connection) -> None:
+def migrate(conn: Connection) -> None:
+    """Migrates to head inside the caller's transaction (serialised across workers on PostgreSQL)."""
     from alembic import command  # noqa: PLC0415 - alembic is only needed when migrating
     from alembic.config import Config  # noqa: PLC0415
 
@@ -80,6 +85,26 @@ def _migrate(conn: Connection) -> None:
     config.set_main_option("script_location", str(MIGRATIONS))
     config.attributes["connection"] = conn
     command.upgrade(config, "head")
+
+
+def upsert(conn: Connection, table: Table, rows: list[dict[str, Any]], keys: Sequence[str],
+           changed_when: str | None) -> None:
+    """Inserts rows; on a key conflict updates the row only where ``changed_when`` differs (so a
+    redelivery rewrites nothing), or does nothing when ``changed_when`` is None."""
+    if not rows:
+        return
+    stmt = (postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert)(table)
+    if changed_when is None:
+        stmt = stmt.on_conflict_do_nothing(index_elements=list(keys))
+    else:
+        updates = {c: stmt.excluded[c] for c in rows[0] if c not in keys}
+        if "updated_at" in table.c:
+            updates["updated_at"] = func.now()
+        stmt = stmt.on_conflict_do_update(
+            index_elements=list(keys), set_=updates,
+            where=table.c[changed_when] != stmt.excluded[changed_when],
+        )
+    conn.execute(stmt, rows)
 
 
 def _chunks(items: list[Any]) -> Iterable[list[Any]]:
@@ -99,7 +124,7 @@ class SqlStore(Store, Claims):
 
     def prepare(self, typed_tables: Sequence[tuple[str, type[BaseModel]]]) -> None:
         with self.engine.begin() as conn:  # one transaction, so workers starting together take turns
-            _migrate(conn)
+            migrate(conn)
             for name, schema in typed_tables:
                 self._prepare_typed(conn, name, schema)
 
@@ -109,6 +134,8 @@ class SqlStore(Store, Claims):
         existing = inspect(conn).get_columns(name) if inspect(conn).has_table(name) else None
         if existing is None:
             table.create(conn)
+            if conn.dialect.name == "postgresql":
+                protect_tenant_table(conn, name)  # analysts see typed rows of their tenant only
             return
         have = {c["name"] for c in existing}
         want = {c.name for c in table.columns}
@@ -167,6 +194,21 @@ class SqlStore(Store, Claims):
         with self.engine.begin() as conn:
             return conn.execute(stmt).first() is not None
 
+    def tokens_spent(self, tenant: str, since: datetime) -> int:
+        """Tokens a tenant's model attempts used since ``since`` (any pipeline): for budgets."""
+        with self.engine.connect() as conn:
+            return int(conn.execute(
+                select(func.coalesce(func.sum(llm_calls.c.tokens_in + llm_calls.c.tokens_out), 0)).where(
+                    llm_calls.c.tenant == tenant, llm_calls.c.outcome != "cache_hit", llm_calls.c.created_at >= since)
+            ).scalar_one())
+
+    def sampled_labels(self, pipeline: str) -> set[tuple[str, str, str]]:
+        """(tenant, stage, label) already queued for review as first sightings."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(review_queue.c.tenant, review_queue.c.stage, review_queue.c.output).where(
+                review_queue.c.pipeline == pipeline, review_queue.c.sampled_because == "first_label"))
+            return {(t, s, (json.loads(o) if isinstance(o, str) else o).get("label")) for t, s, o in rows}
+
     def stored_position(self, pipeline: str, stream: str, partition: int) -> int | None:
         with self.engine.connect() as conn:
             return conn.execute(
@@ -178,25 +220,6 @@ class SqlStore(Store, Claims):
             ).scalar_one_or_none()
 
     # -- one transaction ---------------------------------------------------------------------
-
-    def _upsert(self, conn: Connection, table: Table, rows: list[dict[str, Any]], keys: Sequence[str],
-                changed_when: str | None) -> None:
-        """Inserts rows; on a key conflict updates the row only where ``changed_when`` differs
-        (so a redelivery rewrites nothing), or does nothing when ``changed_when`` is None."""
-        if not rows:
-            return
-        stmt = self._insert(table)
-        if changed_when is None:
-            stmt = stmt.on_conflict_do_nothing(index_elements=list(keys))
-        else:
-            updates = {c: stmt.excluded[c] for c in rows[0] if c not in keys}
-            if "updated_at" in table.c:
-                updates["updated_at"] = func.now()
-            stmt = stmt.on_conflict_do_update(
-                index_elements=list(keys), set_=updates,
-                where=table.c[changed_when] != stmt.excluded[changed_when],
-            )
-        conn.execute(stmt, rows)
 
     def _write(self, conn: Connection, pipeline: str, batch: Batch) -> None:
         docs: dict[DocRef, dict[str, Any]] = {}
@@ -236,12 +259,12 @@ class SqlStore(Store, Claims):
                     "partition": letter.position.partition, "message_offset": letter.position.offset,
                     **letter.model_dump(exclude={"position"}),
                 })
-        self._upsert(conn, documents, list(docs.values()), ("pipeline", "tenant", "doc_key"), "content_hash")
-        self._upsert(conn, stage_results, list(results.values()),
+        upsert(conn, documents, list(docs.values()), ("pipeline", "tenant", "doc_key"), "content_hash")
+        upsert(conn, stage_results, list(results.values()),
                      ("pipeline", "tenant", "doc_key", "stage"), "cache_key")
         for name, rows in typed.items():
-            self._upsert(conn, self._typed[name], list(rows.values()), TYPED_KEY_COLUMNS, "cache_key")
-        self._upsert(conn, llm_cache, list(cache.values()), ("cache_key",), None)
+            upsert(conn, self._typed[name], list(rows.values()), TYPED_KEY_COLUMNS, "cache_key")
+        upsert(conn, llm_cache, list(cache.values()), ("cache_key",), None)
         if dead:
             # A message that fails again (a replay) keeps one dead letter, with the latest reason.
             stmt = self._insert(dead_letters)
@@ -269,6 +292,12 @@ class SqlStore(Store, Claims):
             )
         if calls:
             conn.execute(llm_calls.insert(), calls)
+        reviews = [
+            {"pipeline": pipeline, "tenant": o.document.tenant, "stage": stage, "doc_key": o.document.key,
+             "content": o.document.content, "output": output, "sampled_because": why}
+            for o in batch.outcomes if o.document is not None for stage, output, why in o.reviews
+        ]
+        upsert(conn, review_queue, reviews, ("pipeline", "tenant", "doc_key", "stage"), None)
         # Results and failures are durable now: nobody needs to wait on these keys any more.
         done = sorted(set(cache) | {d["cache_key"] for d in dead if d["cache_key"]})
         for chunk in _chunks(done):

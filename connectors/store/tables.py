@@ -166,6 +166,93 @@ llm_claims = Table(
     Column("expires_at", Float, nullable=False),  # epoch seconds: compared across workers, no time zones
 )
 
+# -- quality -------------------------------------------------------------------------------------
+
+golden_examples = Table(
+    "golden_examples",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("pipeline", String(200), nullable=False),
+    Column("tenant", String(200), nullable=False),
+    Column("stage", String(200), nullable=False),
+    Column("doc_key", String(500), nullable=False),
+    Column("content", Text, nullable=False),
+    Column("expected", Json, nullable=False),
+    Column("origin", String(20), nullable=False, server_default="import"),  # import | review
+    _now(),
+    UniqueConstraint("pipeline", "tenant", "stage", "doc_key", name="uq_golden_examples"),
+)
+
+eval_runs = Table(
+    "eval_runs",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("pipeline", String(200), nullable=False),
+    Column("tenant", String(200), nullable=False),
+    Column("stage", String(200), nullable=False),
+    Column("model", String(300), nullable=False),
+    Column("fingerprint", String(64), nullable=False),
+    Column("examples", Integer, nullable=False),
+    Column("failed", Integer, nullable=False),
+    Column("accuracy", Float, nullable=False),
+    Column("macro_f1", Float),
+    Column("details", Json, nullable=False),  # confusion pairs, or per-field match rates
+    _now(),
+)
+
+eval_results = Table(
+    "eval_results",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("run_id", BigInteger, nullable=False, index=True),
+    Column("tenant", String(200), nullable=False),
+    Column("doc_key", String(500), nullable=False),
+    Column("expected", Json, nullable=False),
+    Column("predicted", Json),
+    Column("correct", Boolean, nullable=False),
+    Column("error", Text),
+)
+
+drift_alerts = Table(
+    "drift_alerts",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("pipeline", String(200), nullable=False),
+    Column("tenant", String(200), nullable=False),
+    Column("stage", String(200), nullable=False),
+    Column("metric", String(50), nullable=False),
+    Column("baseline", Float, nullable=False),
+    Column("recent", Float, nullable=False),
+    Column("score", Float, nullable=False),
+    Column("threshold", Float, nullable=False),
+    Column("window", Integer, nullable=False),
+    _now(),
+)
+
+review_queue = Table(
+    "review_queue",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("pipeline", String(200), nullable=False),
+    Column("tenant", String(200), nullable=False),
+    Column("stage", String(200), nullable=False),
+    Column("doc_key", String(500), nullable=False),
+    Column("content", Text, nullable=False),
+    Column("output", Json, nullable=False),
+    Column("sampled_because", String(20), nullable=False),  # uniform | low_confidence | first_label
+    Column("status", String(20), nullable=False, server_default="pending"),  # pending | exported | reviewed
+    Column("verdict", String(20)),  # correct | incorrect
+    Column("corrected", Json),
+    Column("reviewer", String(200)),
+    _now(),
+    Column("reviewed_at", DateTime(timezone=True)),
+    UniqueConstraint("pipeline", "tenant", "doc_key", "stage", name="uq_review_queue"),
+)
+
+#: Tables with a tenant column: row-level security for analysts applies to each (PostgreSQL).
+TENANT_TABLES = ("documents", "stage_results", "llm_cache", "llm_calls", "dead_letters", "golden_examples",
+                 "eval_runs", "eval_results", "drift_alerts", "review_queue")
+
 _SCALARS: dict[Any, Any] = {
     str: Text,
     int: BigInteger,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from abc import ABC, abstractmethod
@@ -95,6 +96,18 @@ class Stage(ABC):
             "max_tokens": self.max_tokens,
             "validators": [validator_name(v) for v in self.validators],
         }
+
+    def override(self, **changes: Any) -> Stage:
+        """A copy with some constructor arguments replaced (per-tenant instructions, labels...).
+
+        Raises:
+            ConfigError: ``changes`` names something the stage's constructor does not take.
+        """
+        params = [p for p in inspect.signature(type(self).__init__).parameters if p != "self"]
+        unknown = sorted(set(changes) - set(params))
+        if unknown:
+            raise ConfigError(f"stage {self.name!r}: cannot override {unknown}; it takes {params}")
+        return type(self)(**{p: getattr(self, p) for p in params if hasattr(self, p)} | changes)
 
     def applies(self, outputs: Outputs) -> bool:
         return self.when is None or bool(self.when(outputs))

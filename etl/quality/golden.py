@@ -1,0 +1,122 @@
+"""Golden sets and evals: labelled examples per tenant and stage, scored against the current stage.
+
+``etl eval`` asks the model afresh (the cache is bypassed: an eval measures the model as it is
+today), records every attempt in ``llm_calls`` under the pipeline name + ``#eval`` (so evals are
+costed but kept out of production metrics), and stores accuracy per tenant, stage, model and
+fingerprint with the per-example results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, insert, select
+
+from connectors.store.sql import migrate as upgrade_schema
+from connectors.store.sql import upsert
+from connectors.store.tables import eval_results, eval_runs, golden_examples, llm_calls
+from dedup import content_hash
+from etl.errors import ConfigError
+from etl.execute import Executor, StageFailed, StagePlan
+from etl.llm.base import LLM
+from etl.pipeline import Pipeline
+from etl.quality.scoring import classification_scores, extraction_scores
+from etl.stages import Classify
+from schemas import Document, Position
+
+
+def read_golden(path: Path, default_tenant: str = "default") -> list[dict[str, Any]]:
+    """JSONL: ``{"id", "text", "tenant"?, "expected": {...}}`` or ``"label"`` for a classify stage."""
+    examples = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            expected = row["expected"] if "expected" in row else {"label": row["label"]}
+            examples.append({"doc_key": str(row["id"]), "content": row["text"], "expected": expected,
+                             "tenant": row.get("tenant") or default_tenant})
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{path}:{number}: a golden example needs id, text and expected (or label): {exc}") from exc
+    return examples
+
+
+def import_golden(engine: Engine, pipeline: str, stage: str, examples: Iterable[dict[str, Any]],
+                  origin: str = "import") -> int:
+    """Upserts examples (the same id replaces its expected answer); returns how many."""
+    rows = [{"pipeline": pipeline, "stage": stage, "origin": origin, **e} for e in examples]
+    with engine.begin() as conn:
+        upgrade_schema(conn)
+        upsert(conn, golden_examples, rows, ("pipeline", "tenant", "stage", "doc_key"), "expected")
+    return len(rows)
+
+
+async def evaluate(engine: Engine, pipeline: Pipeline, llm: LLM, stage_name: str | None = None,
+                   tenant: str | None = None, concurrency: int = 8) -> list[dict[str, Any]]:
+    """Runs each stage with golden examples over them, per tenant; returns the recorded runs."""
+    stages = [s for s in pipeline.stages if stage_name in (None, s.name)]
+    if not stages:
+        raise ConfigError(f"pipeline {pipeline.name!r} has no stage {stage_name!r}")
+    runs = []
+    for stage in stages:
+        query = select(golden_examples).where(golden_examples.c.pipeline == pipeline.name,
+                                              golden_examples.c.stage == stage.name)
+        if tenant:
+            query = query.where(golden_examples.c.tenant == tenant)
+        with engine.connect() as conn:
+            examples = [dict(r) for r in conn.execute(query.order_by(golden_examples.c.id)).mappings()]
+        by_tenant: dict[str, list[dict[str, Any]]] = {}
+        for example in examples:
+            by_tenant.setdefault(example["tenant"], []).append(example)
+        plan = StagePlan.of(stage, llm)
+        executor = Executor([plan], llm, repairs=1)
+        gate = asyncio.Semaphore(concurrency)
+
+        async def answer(example: dict[str, Any]) -> tuple[dict[str, Any] | None, list[Any], str | None]:
+            doc = Document(tenant=example["tenant"], key=example["doc_key"], content=example["content"],
+                           content_hash=content_hash(example["content"]),
+                           position=Position(stream="golden", offset=example["id"]))
+            async with gate:
+                try:
+                    computed = await executor.compute_fresh(plan, doc)
+                    return computed.entry.output, computed.calls, None
+                except StageFailed as failed:
+                    return None, failed.calls, failed.reason
+
+        for tenant_name, items in sorted(by_tenant.items()):
+            answers = await asyncio.gather(*(answer(e) for e in items))
+            runs.append(_record(engine, pipeline.name, tenant_name, stage, plan, llm, items, answers))
+    return runs
+
+
+def _record(engine: Engine, pipeline: str, tenant: str, stage: Any, plan: StagePlan, llm: LLM,
+            items: list[dict[str, Any]], answers: list[tuple[dict[str, Any] | None, list[Any], str | None]]
+            ) -> dict[str, Any]:
+    expected = [e["expected"] for e in items]
+    predicted = [a[0] for a in answers]
+    if isinstance(stage, Classify):
+        scores = classification_scores([e["label"] for e in expected], [p["label"] if p else None for p in predicted])
+        correct = [p is not None and p["label"] == e["label"] for e, p in zip(expected, predicted, strict=True)]
+        details: dict[str, Any] = {"confusions": scores["confusions"]}
+    else:
+        scores = extraction_scores(expected, predicted)
+        correct = [extraction_scores([e], [p])["accuracy"] == 1.0 for e, p in zip(expected, predicted, strict=True)]
+        details = {"fields": scores["fields"]}
+    model = next((c.model for a in answers for c in a[1] if c.outcome == "ok"), llm.model_id)
+    run = {"pipeline": pipeline, "tenant": tenant, "stage": stage.name, "model": model,
+           "fingerprint": plan.fingerprint, "examples": len(items), "failed": sum(a[2] is not None for a in answers),
+           "accuracy": scores["accuracy"], "macro_f1": scores.get("macro_f1"), "details": details}
+    with engine.begin() as conn:
+        run_id = conn.execute(insert(eval_runs).values(**run)).inserted_primary_key[0]
+        conn.execute(insert(eval_results), [
+            {"run_id": run_id, "tenant": tenant, "doc_key": e["doc_key"], "expected": e["expected"],
+             "predicted": a[0], "correct": ok, "error": a[2]}
+            for e, a, ok in zip(items, answers, correct, strict=True)])
+        calls = [{"pipeline": f"{pipeline}#eval", **c.model_dump()} for a in answers for c in a[1]]
+        if calls:
+            conn.execute(insert(llm_calls), calls)
+    return {**run, "id": run_id}
