@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import os
-from datetime import datetime
 import signal
 import sys
+from datetime import datetime
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from sqlalchemy.engine import make_url
 
+from etl.cli_support import DbOption, PipelineArg, console, out, table_of
+from etl.cli_support import fail as _fail
+from etl.cli_support import safe_url as _safe
 from etl.errors import EtlError
 from etl.log import configure
+from etl.quality.cli import register as register_quality
 from etl.settings import Settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="idem-etl: idempotent LLM batch ETL.")
@@ -24,23 +26,6 @@ db_app = typer.Typer(no_args_is_help=True, help="The store's schema.")
 app.add_typer(db_app, name="db")
 dlq_app = typer.Typer(no_args_is_help=True, help="Quarantined messages: list them, replay them after a fix.")
 app.add_typer(dlq_app, name="dlq")
-console = Console(stderr=True)
-# Piped or captured output gets wide tables rather than columns cut to 80 characters.
-out = Console(width=None if sys.stdout.isatty() else 200)
-
-DbOption = Annotated[str | None, typer.Option("--db", help="SQLAlchemy URL; default: the pipeline's, then ETL_DATABASE_URL.")]
-
-
-def _fail(message: str, code: int = 1) -> None:
-    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
-
-
-def _safe(url: str) -> str:
-    return make_url(url).render_as_string(hide_password=True)
-
-
-PipelineArg = Annotated[str, typer.Argument(help="path/to/pipeline.py, file.py:attr or package.module:attr")]
 
 
 @app.command()
@@ -233,14 +218,8 @@ def status(
               "dead_letters": "Dead letters", "in_flight": "In-flight LLM work (live claims)",
               "positions": "Stored positions and lag"}
     for name, rows in found.items():
-        if not rows:
-            continue
-        table = Table(title=titles[name], title_justify="left")
-        for column in rows[0]:
-            table.add_column(column, justify="right" if isinstance(rows[0][column], (int, float)) else "left")
-        for row in rows:
-            table.add_row(*[f"{v:.6f}" if isinstance(v, float) else str(v) for v in row.values()])
-        out.print(table)
+        if rows:
+            out.print(table_of(titles[name], rows))
 
 
 @db_app.command("upgrade")
@@ -254,6 +233,9 @@ def db_upgrade(db: DbOption = None) -> None:
     except Exception as exc:  # noqa: BLE001
         _fail(f"cannot migrate {_safe(url)}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
     out.print(f"{_safe(url)}: schema is at the latest revision")
+
+
+register_quality(app)
 
 
 def main() -> None:

@@ -100,11 +100,20 @@ async def test_duplicate_contents_share_one_call_per_tenant(store_url: str) -> N
     assert hits == stats.cache_hits > 0
 
 
-async def test_same_content_in_two_tenants_is_two_calls(sqlite_url: str) -> None:
-    docs = [{"id": "a", "tenant": "acme", "text": "same"}, {"id": "b", "tenant": "globex", "text": "same"}]
-    llm = FakeLLM()
-    await run_pipeline(Pipeline("t", ListSource(docs), [Classify(LABELS)], store=sqlite_url), llm=llm)
-    assert len(llm.calls) == 2
+async def test_a_tenant_never_receives_another_tenants_cached_output(store_url: str) -> None:
+    """Same content, two tenants: two calls, two cache entries, each tenant its own answer."""
+    first = [{"id": "a", "tenant": "acme", "text": "same"}]
+    await run_pipeline(Pipeline("t", ListSource(first), [Classify(LABELS)], store=store_url),
+                       llm=FakeLLM(answer=lambda r: {"label": "invoice"}))
+    llm = FakeLLM(answer=lambda r: {"label": "receipt"})
+    second = [{"id": "b", "tenant": "globex", "text": "same"}, {"id": "c", "tenant": "acme", "text": "same"}]
+    await run_pipeline(Pipeline("t", ListSource(second), [Classify(LABELS)], store=store_url), llm=llm)
+    assert len(llm.calls) == 1  # globex asked the model; acme's second document used acme's cache
+    labels = results_snapshot(store_url)
+    assert [(t, k, out["label"]) for t, k, _, _, out in labels] == [
+        ("acme", "a", "invoice"), ("acme", "c", "invoice"), ("globex", "b", "receipt")]
+    assert rows(store_url, "SELECT tenant, count(*) FROM llm_cache GROUP BY tenant ORDER BY tenant") == [
+        ("acme", 1), ("globex", 1)]
 
 
 async def test_redelivery_within_one_run_is_a_no_op(sqlite_url: str) -> None:

@@ -1,0 +1,39 @@
+"""What every ``etl`` command shares: consoles, one-line errors, common options, tables."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy.engine import make_url
+
+console = Console(stderr=True)
+# Piped or captured output gets wide tables rather than columns cut to 80 characters.
+out = Console(width=None if sys.stdout.isatty() else 200)
+
+DbOption = Annotated[str | None, typer.Option("--db", help="SQLAlchemy URL; default: the pipeline's, then ETL_DATABASE_URL.")]
+PipelineArg = Annotated[str, typer.Argument(help="path/to/pipeline.py, file.py:attr or package.module:attr")]
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """One line on stderr, the cause and what to do; no traceback."""
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def safe_url(url: str) -> str:
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def table_of(title: str, rows: Sequence[dict[str, Any]]) -> Table:
+    """A rich table from dict rows; floats with 6 significant decimals, numbers right-aligned."""
+    table = Table(title=title, title_justify="left")
+    for column in rows[0]:
+        table.add_column(column, justify="right" if isinstance(rows[0][column], (int, float)) else "left")
+    for row in rows:
+        table.add_row(*["" if v is None else f"{v:.6g}" if isinstance(v, float) else str(v) for v in row.values()])
+    return table

@@ -1,0 +1,1 @@
+"""Quality: golden-set evals, drift detection, and the HTML quality report."""

@@ -1,0 +1,224 @@
+"""``etl golden``, ``etl eval``, ``etl drift``, ``etl quality``, ``etl review``, ``etl report``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import date, datetime, timezone
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from sqlalchemy import Engine, select, text, update
+
+from etl.cli_support import DbOption, PipelineArg, fail, out, safe_url, table_of
+from etl.errors import EtlError
+from etl.settings import Settings
+
+golden_app = typer.Typer(no_args_is_help=True, help="Golden sets: labelled examples per tenant and stage.")
+review_app = typer.Typer(no_args_is_help=True, help="The human review queue.")
+TenantOption = Annotated[str | None, typer.Option(help="Only this tenant.")]
+
+
+def _engine(db: str | None, pipeline: Any = None) -> tuple[Engine, str]:
+    from connectors.store import make_engine, upgrade  # noqa: PLC0415
+    from etl.run import database_url  # noqa: PLC0415
+
+    url = db or database_url(pipeline, Settings())
+    engine = make_engine(url)
+    try:
+        upgrade(engine)
+    except Exception as exc:  # noqa: BLE001 - one line for the user
+        fail(f"cannot open {safe_url(url)}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+    return engine, url
+
+
+@golden_app.command("import")
+def golden_import(
+    file: Annotated[Path, typer.Argument(help='JSONL: {"id", "text", "tenant"?, "expected": {...}} or "label".')],
+    pipeline: Annotated[str, typer.Option(help="The pipeline's name.")],
+    stage: Annotated[str, typer.Option(help="The stage the examples are for.")],
+    tenant: Annotated[str, typer.Option(help="Tenant of lines without one.")] = "default",
+    db: DbOption = None,
+) -> None:
+    """Import labelled examples (the same id replaces its earlier expected answer)."""
+    from etl.quality.golden import import_golden, read_golden  # noqa: PLC0415
+
+    if not file.is_file():
+        fail(f"golden file {file} does not exist")
+    try:
+        examples = read_golden(file, tenant)
+    except EtlError as exc:
+        fail(str(exc))
+    engine, url = _engine(db)
+    count = import_golden(engine, pipeline, stage, examples)
+    tenants = sorted({e["tenant"] for e in examples})
+    out.print(f"{count} golden example(s) for {pipeline}/{stage}, tenants {tenants} → {safe_url(url)}")
+
+
+def evaluate(pipeline: PipelineArg, stage: Annotated[str | None, typer.Option(help="Only this stage.")] = None,
+             tenant: TenantOption = None, db: DbOption = None) -> None:
+    """Score the current stage (its fingerprint: prompt, schema, model) on the golden set, per tenant.
+    The model is asked afresh (no cache); every attempt is costed under '<pipeline>#eval'."""
+    from etl.pipeline import load_pipeline  # noqa: PLC0415
+    from etl.quality.golden import evaluate as run_eval  # noqa: PLC0415
+    from etl.run import default_llm  # noqa: PLC0415
+
+    try:
+        loaded = load_pipeline(pipeline)
+        engine, _ = _engine(db, loaded)
+        llm = loaded.llm or default_llm(Settings())
+        runs = asyncio.run(run_eval(engine, loaded, llm, stage, tenant))
+    except EtlError as exc:
+        fail(str(exc))
+    if not runs:
+        fail(f"no golden examples for {loaded.name}: import some with `etl golden import`")
+    out.print(table_of("Eval runs", [
+        {"tenant": r["tenant"], "stage": r["stage"], "model": r["model"], "fingerprint": r["fingerprint"][:12],
+         "examples": r["examples"], "failed": r["failed"], "accuracy": r["accuracy"], "macro_f1": r["macro_f1"]}
+        for r in runs]))
+
+
+def drift(pipeline: Annotated[str, typer.Option(help="The pipeline's name.")],
+          window: Annotated[int, typer.Option(help="Results per window (recent vs first).")] = 200,
+          db: DbOption = None) -> None:
+    """Compare each tenant and stage's latest window of results with its first; record alerts."""
+    from etl.quality.drift import detect  # noqa: PLC0415
+
+    engine, _ = _engine(db)
+    alerts = detect(engine, pipeline, window)
+    if not alerts:
+        out.print(f"{pipeline}: no drift over windows of {window}")
+        return
+    out.print(table_of(f"{len(alerts)} drift alert(s)", [
+        {"tenant": a.tenant, "stage": a.stage, "metric": a.metric, "baseline": a.baseline, "recent": a.recent,
+         "score": a.score, "threshold": a.threshold} for a in alerts]))
+
+
+def quality(tenant: TenantOption = None,
+            since: Annotated[datetime | None, typer.Option(help="From this day on.")] = None,
+            pipeline: Annotated[str | None, typer.Option(help="Only this pipeline (by name).")] = None,
+            db: DbOption = None) -> None:
+    """Per tenant × stage × model × day: calls, cache hit rate, failure rates by layer, latency
+    percentiles, tokens, spend and savings (the quality_daily view)."""
+    engine, _ = _engine(db)
+    where, params = ["1 = 1"], {}  # type: list[str], dict[str, Any]
+    for column, value in (("tenant", tenant), ("pipeline", pipeline)):
+        if value:
+            where.append(f"{column} = :{column}")
+            params[column] = value
+    if since:
+        where.append("day >= :since")
+        params["since"] = since.date() if engine.dialect.name == "postgresql" else since.date().isoformat()
+    sql = f"SELECT * FROM quality_daily WHERE {' AND '.join(where)} ORDER BY day, pipeline, tenant, stage, model"
+    with engine.connect() as conn:
+        rows = [dict(r) for r in conn.execute(text(sql), params).mappings()]
+        if engine.dialect.name != "postgresql":
+            for row in rows:
+                row.update(_percentiles(conn, row))
+    if not rows:
+        out.print("no model calls recorded yet")
+        return
+    keep = ("day", "pipeline", "tenant", "stage", "model", "stage_runs", "llm_calls", "cache_hit_rate",
+            "failure_rate", "schema_invalid_rate", "semantic_invalid_rate", "refusal_rate", "truncation_rate",
+            "latency_p50_ms", "latency_p95_ms", "latency_p99_ms", "tokens", "cost", "saved")
+    out.print(table_of("Quality per tenant, stage, model and day",
+                       [{k: (float(row[k]) if hasattr(row[k], "as_integer_ratio") and not isinstance(row[k], int)
+                             else str(row[k]) if isinstance(row[k], date) else row[k]) for k in keep} for row in rows]))
+
+
+def _percentiles(conn: Any, row: dict[str, Any]) -> dict[str, float | None]:
+    """SQLite has no percentile aggregate: the same nearest-rank percentiles, computed here."""
+    latencies = sorted(v for (v,) in conn.execute(text(
+        "SELECT latency_ms FROM llm_calls WHERE outcome = 'ok' AND pipeline = :p AND tenant = :t AND stage = :s "
+        "AND model = :m AND date(created_at) = :d"),
+        {"p": row["pipeline"], "t": row["tenant"], "s": row["stage"], "m": row["model"], "d": row["day"]}))
+    if not latencies:
+        return {}
+    pick = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))]  # noqa: E731
+    return {"latency_p50_ms": pick(0.5), "latency_p95_ms": pick(0.95), "latency_p99_ms": pick(0.99)}
+
+
+@review_app.command("export")
+def review_export(out_file: Annotated[Path, typer.Option("--out", help="JSONL file to write.")],
+                  tenant: TenantOption = None,
+                  pipeline: Annotated[str | None, typer.Option(help="Only this pipeline (by name).")] = None,
+                  db: DbOption = None) -> None:
+    """Write pending review items (text and output) for reviewers; they become 'exported'."""
+    from connectors.store.tables import review_queue as q  # noqa: PLC0415
+
+    engine, _ = _engine(db)
+    query = select(q.c.id, q.c.pipeline, q.c.tenant, q.c.stage, q.c.doc_key, q.c.content, q.c.output,
+                   q.c.sampled_because).where(q.c.status == "pending")
+    if tenant:
+        query = query.where(q.c.tenant == tenant)
+    if pipeline:
+        query = query.where(q.c.pipeline == pipeline)
+    with engine.begin() as conn:
+        items = [dict(r) for r in conn.execute(query.order_by(q.c.id)).mappings()]
+        for item in items:
+            item["output"] = json.loads(item["output"]) if isinstance(item["output"], str) else item["output"]
+        if items:
+            conn.execute(update(q).where(q.c.id.in_([i["id"] for i in items])).values(status="exported"))
+    out_file.write_text("".join(json.dumps({**i, "verdict": None, "corrected": None}) + "\n" for i in items))
+    out.print(f"{len(items)} item(s) to review → {out_file}; fill in verdict (correct/incorrect) and corrected")
+
+
+@review_app.command("import")
+def review_import(file: Annotated[Path, typer.Argument(help="The exported JSONL with verdicts filled in.")],
+                  promote: Annotated[bool, typer.Option(help="Add reviewed items to the golden set.")] = False,
+                  reviewer: Annotated[str | None, typer.Option(help="Who reviewed.")] = None,
+                  db: DbOption = None) -> None:
+    """Record human verdicts; with --promote, confirmed or corrected answers join the golden set."""
+    from connectors.store.tables import review_queue as q  # noqa: PLC0415
+    from etl.quality.golden import import_golden  # noqa: PLC0415
+
+    if not file.is_file():
+        fail(f"review file {file} does not exist")
+    engine, _ = _engine(db)
+    reviewed, promoted = 0, []
+    with engine.begin() as conn:
+        for number, line in enumerate(file.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            item = json.loads(line)
+            verdict = item.get("verdict")
+            if verdict not in ("correct", "incorrect"):
+                continue  # not reviewed yet
+            if verdict == "incorrect" and not item.get("corrected"):
+                fail(f"{file}:{number}: an incorrect verdict needs a corrected answer")
+            conn.execute(update(q).where(q.c.id == item["id"]).values(
+                status="reviewed", verdict=verdict, corrected=item.get("corrected"),
+                reviewer=reviewer or item.get("reviewer"), reviewed_at=datetime.now(timezone.utc)))
+            reviewed += 1
+            if promote:
+                promoted.append(item)
+    by_target: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for item in promoted:
+        expected = item["corrected"] if item["verdict"] == "incorrect" else item["output"]
+        expected = {k: v for k, v in expected.items() if k != "confidence"}
+        by_target.setdefault((item["pipeline"], item["stage"]), []).append(
+            {"tenant": item["tenant"], "doc_key": item["doc_key"], "content": item["content"], "expected": expected})
+    for (name, stage), examples in by_target.items():
+        import_golden(engine, name, stage, examples, origin="review")
+    out.print(f"{reviewed} verdict(s) recorded; {len(promoted)} promoted to the golden set")
+
+
+def report(out_dir: Annotated[Path, typer.Option("--out", help="Directory for index.html.")],
+           pipeline: Annotated[str | None, typer.Option(help="Only this pipeline (by name).")] = None,
+           db: DbOption = None) -> None:
+    """An HTML page: accuracy over time, drift, cost and cache savings per tenant."""
+    from etl.quality.report import write_report  # noqa: PLC0415
+
+    engine, _ = _engine(db)
+    path = write_report(engine, out_dir, pipeline)
+    out.print(f"report → {path}")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(golden_app, name="golden")
+    app.add_typer(review_app, name="review")
+    app.command("eval")(evaluate)
+    app.command("drift")(drift)
+    app.command("quality")(quality)
+    app.command("report")(report)

@@ -1,0 +1,198 @@
+"""Quality per tenant: drift without a deploy, evals on a golden set, review sampling, budgets,
+overrides, and analysts who see only their tenant's rows (row-level security on PostgreSQL)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+from typer.testing import CliRunner
+
+from connectors.store import make_engine
+from connectors.store.tables import TENANT_TABLES
+from etl import Classify, Extract, Pipeline, Receipt, run_pipeline
+from etl.cli import app
+from etl.quality.drift import detect
+from etl.tenancy import ReviewSampling
+from etl.testing import FakeLLM, ListSource
+from tests.conftest import EXAMPLES
+from tests.helpers import rows
+
+LABELS = ["billing", "technical", "account", "other"]
+
+
+def drifting_llm() -> FakeLLM:
+    """Same model name throughout; halfway through, tenant "shifty" starts getting mostly "other"."""
+    calls: Counter[str] = Counter()
+
+    def answer(request):  # type: ignore[no-untyped-def]
+        doc = request.messages[-1]["content"]
+        tenant = doc.split("]")[0].strip("[")
+        calls[tenant] += 1
+        n = int(doc.split("#")[1])
+        if tenant == "shifty" and calls[tenant] > 400 and n % 10:
+            return {"label": "other"}
+        return {"label": LABELS[n % 4]}
+
+    return FakeLLM(answer=answer, model_id="provider-model-v1")
+
+
+async def test_drift_alert_for_the_changed_tenant_only(store_url: str) -> None:
+    docs = [{"id": f"{t}-{i}", "tenant": t, "text": f"[{t}] ticket #{i}"}
+            for i in range(800) for t in ("steady", "shifty")]
+    p = Pipeline("support", ListSource(docs), [Classify(LABELS, "Route.", name="route")], store=store_url)
+    await run_pipeline(p, llm=drifting_llm())
+    alerts = detect(make_engine(store_url), "support", window=200)
+    print("\ndrift figures:", [(a.tenant, a.stage, a.metric, round(a.baseline, 3), round(a.recent, 3),
+                                round(a.score, 3), a.threshold) for a in alerts])
+    assert {a.tenant for a in alerts} == {"shifty"}
+    psi = next(a for a in alerts if a.metric == "label_psi")
+    assert psi.stage == "route" and psi.score > 0.2
+    assert rows(store_url, "SELECT tenant, metric FROM drift_alerts") == [(a.tenant, a.metric) for a in alerts]
+
+
+@pytest.mark.model
+def test_eval_on_banking77_golden_records_accuracy_per_tenant(tmp_path: Path, sqlite_url: str) -> None:
+    """The real local model, scored on 40 banking77 examples (two tenants), through the CLI."""
+    golden = tmp_path / "golden.jsonl"
+    golden.write_text("".join((EXAMPLES / "banking77_golden.jsonl").read_text().splitlines(keepends=True)[:40]))
+    (tmp_path / "p.py").write_text(
+        "import json\nfrom etl import Classify, Pipeline\n"
+        f"INTENTS = json.load(open({str(EXAMPLES / 'banking77_categories.json')!r}))\n"
+        f"pipeline = Pipeline('banking', {str(EXAMPLES / 'banking77.jsonl')!r}, "
+        "[Classify(INTENTS, \"Classify the bank customer's message by its intent.\", name='intent')])\n")
+    env = {"ETL_DATABASE_URL": sqlite_url}
+    cli = CliRunner()
+    imported = cli.invoke(app, ["golden", "import", str(golden), "--pipeline", "banking", "--stage", "intent"], env=env)
+    assert imported.exit_code == 0 and "40 golden example(s)" in imported.output, imported.output
+    evaluated = cli.invoke(app, ["eval", str(tmp_path / "p.py")], env=env)
+    assert evaluated.exit_code == 0, evaluated.output
+    runs = rows(sqlite_url, "SELECT tenant, examples, accuracy, macro_f1, model FROM eval_runs ORDER BY tenant")
+    print("\neval figures:", runs)
+    assert [(t, n) for t, n, *_ in runs] == [("acme", 20), ("globex", 20)]
+    results = rows(sqlite_url, "SELECT tenant, correct FROM eval_results")
+    for tenant, _, accuracy, _, _ in runs:
+        mine = [c for t, c in results if t == tenant]
+        assert accuracy == pytest.approx(sum(mine) / len(mine))  # accuracy is what the rows say
+    assert rows(sqlite_url, "SELECT count(*) FROM llm_calls WHERE pipeline = 'banking#eval'")[0][0] >= 40
+    report = cli.invoke(app, ["report", "--out", str(tmp_path / "report")], env=env)
+    assert report.exit_code == 0, report.output
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert "acme" in page and "globex" in page and "<svg" in page
+    assert f"{runs[0][2] * 100:.1f}%" in page  # the report shows acme's accuracy
+
+
+async def test_review_sampling_export_import_and_promote(tmp_path: Path, sqlite_url: str) -> None:
+    docs = [{"id": str(i), "tenant": "acme", "text": f"ticket {i}"} for i in range(200)]
+    p = Pipeline("support", ListSource(docs), [Classify(LABELS, "Route.")], store=sqlite_url,
+                 review=ReviewSampling(rate=0.05))
+    await run_pipeline(p, llm=FakeLLM())
+    queued = rows(sqlite_url, "SELECT sampled_because, count(*) FROM review_queue GROUP BY 1 ORDER BY 1")
+    assert dict(queued)["first_label"] == 4  # one first sighting per label
+    assert 3 <= dict(queued)["uniform"] <= 20
+    # a redelivery samples nothing new
+    before = rows(sqlite_url, "SELECT count(*) FROM review_queue")
+    await run_pipeline(Pipeline("support", ListSource(docs), p.stages, store=sqlite_url,
+                                review=ReviewSampling(rate=0.05)), llm=FakeLLM())
+    assert rows(sqlite_url, "SELECT count(*) FROM review_queue") == before
+    env = {"ETL_DATABASE_URL": sqlite_url}
+    exported = tmp_path / "review.jsonl"
+    assert CliRunner().invoke(app, ["review", "export", "--out", str(exported)], env=env).exit_code == 0
+    items = [json.loads(line) for line in exported.read_text().splitlines()]
+    assert len(items) == before[0][0] and all(i["content"].startswith("ticket") for i in items)
+    for i, item in enumerate(items):
+        item["verdict"] = "correct" if i % 2 else "incorrect"
+        item["corrected"] = None if i % 2 else {"label": "account"}
+    exported.write_text("".join(json.dumps(i) + "\n" for i in items))
+    result = CliRunner().invoke(app, ["review", "import", str(exported), "--promote", "--reviewer", "ana"], env=env)
+    assert result.exit_code == 0, result.output
+    assert rows(sqlite_url, "SELECT count(*) FROM review_queue WHERE status = 'reviewed' AND reviewer = 'ana'") == [
+        (len(items),)]
+    golden = rows(sqlite_url, "SELECT origin, count(*) FROM golden_examples GROUP BY 1")
+    assert golden == [("review", len(items))]
+
+
+async def test_daily_token_budget_quarantines_the_excess(sqlite_url: str) -> None:
+    docs = [{"id": f"{t}{i}", "tenant": t, "text": f"{t} ticket {i}"} for i in range(10) for t in ("acme", "globex")]
+    p = Pipeline("support", ListSource(docs), [Classify(LABELS, "Route.")], store=sqlite_url,
+                 budgets={"acme": 300})  # FakeLLM spends 120 tokens a call
+    llm = FakeLLM(tokens=(100, 20))
+    stats = await run_pipeline(p, llm=llm)
+    assert rows(sqlite_url, "SELECT tenant, reason, count(*) FROM dead_letters GROUP BY 1, 2") == [
+        ("acme", "budget_exceeded", 7)]
+    assert stats.results_written == 13 and stats.messages == 20
+    spent = rows(sqlite_url, "SELECT sum(tokens_in + tokens_out) FROM llm_calls WHERE tenant = 'acme'")[0][0]
+    assert spent == 360  # three calls: the budget is checked before each call
+
+
+async def test_tenant_overrides_change_prompt_and_key_for_that_tenant_only(sqlite_url: str) -> None:
+    docs = [{"id": "1", "tenant": "acme", "text": "same text"}, {"id": "2", "tenant": "globex", "text": "same text"}]
+    p = Pipeline("support", ListSource(docs), [Classify(LABELS, "Route.", name="route")], store=sqlite_url,
+                 tenant_overrides={"acme": {"route": {"instructions": "Route, Acme style.",
+                                                      "labels": [*LABELS, "acme-vip"]}}})
+    llm = FakeLLM()
+    await run_pipeline(p, llm=llm)
+    prompts = {c.messages[-1]["content"]: c.messages[0]["content"] for c in llm.calls}
+    assert len(llm.calls) == 2
+    acme, globex = (c.messages[0]["content"] for c in sorted(llm.calls, key=lambda c: "Acme" not in c.messages[0]["content"]))
+    assert "Acme style" in acme and "acme-vip" in acme and "Acme" not in globex and "acme-vip" not in globex
+    assert len(prompts) == 1  # same document text, two prompts, two fingerprints
+    assert len({k for (k,) in rows(sqlite_url, "SELECT fingerprint FROM stage_results")}) == 2
+
+
+async def test_analysts_see_only_their_tenant_through_every_table_and_view(postgres_url: str) -> None:
+    url = postgres_url
+    docs = [{"id": f"{t}{i}", "tenant": t, "text": f"{t} ticket {i}"} for i in range(30) for t in ("acme", "globex")]
+    docs += [{"id": f"bad-{t}", "tenant": t, "text": f"{t} [fault]"} for t in ("acme", "globex")]
+    llm = FakeLLM(answer=lambda r: "oops" if "[fault]" in r.messages[1]["content"] else {"label": "billing",
+                                                                                          "company": "c", "date": "d",
+                                                                                          "address": "a", "total": 1})
+    p = Pipeline("support", ListSource(docs), [Classify(LABELS, "Route."), Extract(Receipt, "Extract.")],
+                 store=url, review=ReviewSampling(rate=0.5))
+    await run_pipeline(p, llm=llm)
+    engine = make_engine(url)
+    for tenant in ("acme", "globex"):
+        from etl.quality.golden import evaluate, import_golden
+
+        import_golden(engine, "support", "classify", [{"tenant": tenant, "doc_key": "g1", "content": "hi",
+                                                       "expected": {"label": "billing"}}])
+        await evaluate(engine, p, FakeLLM(), "classify", tenant)
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO drift_alerts (pipeline, tenant, stage, metric, baseline, recent, score, "
+                          "threshold, \"window\") VALUES ('support', 'globex', 'classify', 'label_psi', 0, 0, 1, 0.2, 10), "
+                          "('support', 'acme', 'classify', 'label_psi', 0, 0, 1, 0.2, 10)"))
+    relations = [*TENANT_TABLES, "receipt", "quality_daily", "eval_trend"]
+    with engine.connect() as conn:
+        owner_counts = {r: conn.execute(text(f'SELECT count(DISTINCT tenant) FROM "{r}"')).scalar_one() for r in relations}
+    missing = [f"{r}={n}" for r, n in owner_counts.items() if n != 2]
+    assert not missing, missing  # both tenants have rows everywhere
+
+    analyst = f"analyst_{uuid.uuid4().hex[:8]}"
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE ROLE {analyst} LOGIN PASSWORD 'pw' IN ROLE etl_analyst"))
+    analyst_url = make_url(url).set(username=analyst, password="pw")
+    reader = create_engine(analyst_url)
+    try:
+        with reader.connect() as conn:
+            for relation in relations:
+                assert conn.execute(text(f'SELECT count(*) FROM "{relation}"')).scalar_one() == 0, relation
+            conn.execute(text("SET app.tenant = 'acme'"))
+            for relation in relations:
+                seen = {t for (t,) in conn.execute(text(f'SELECT DISTINCT tenant FROM "{relation}"'))}
+                assert seen == {"acme"}, (relation, seen)
+            with pytest.raises(Exception, match="permission denied"):
+                conn.execute(text("INSERT INTO stage_results (pipeline) VALUES ('x')"))
+            conn.rollback()
+            for relation in ("source_positions", "llm_claims"):  # no tenant column: not granted at all
+                with pytest.raises(Exception, match="permission denied"):
+                    conn.execute(text(f'SELECT * FROM "{relation}"'))
+                conn.rollback()
+    finally:
+        reader.dispose()
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP ROLE {analyst}"))
