@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime, timezone
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -64,13 +65,15 @@ class Decoder(BaseModel):
         if tenant is None:
             raise BadInput(f"no tenant ({self.tenant_from}) and no default tenant is configured")
         content = normalize_content(content)
-        return Document(
+        # Every field is built and checked above: skip pydantic's validation on this hot path.
+        return Document.model_construct(
             tenant=tenant,
             key=str(key),
             content=content,
             content_hash=content_hash(content),
             position=message.position,
             fields={k: v for k, v in fields.items() if k != self.content_field},
+            received_at=datetime.now(timezone.utc),
         )
 
     def _tenant(self, message: Message, fields: dict[str, Any]) -> str | None:

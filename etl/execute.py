@@ -141,6 +141,35 @@ class Executor:
     def keys(self, document: Document) -> list[str]:
         return [plan.key(document) for plan in self.plans_for(document.tenant)]
 
+    def try_stored(self, document: Document, lookup: Lookup) -> tuple[DocumentOutcome, Tally] | None:
+        """The redelivery fast path, without a task or an await: the outcome when every stage that
+        applies is already stored (or already dead-lettered) for this exact key, else None."""
+        tally = Tally()
+        outputs: dict[str, BaseModel] = {}
+        ref = (document.tenant, document.key)
+        plans = self.plans_for(document.tenant)
+        needs_outputs = any(plan.stage.when is not None for plan in plans)
+        for plan in plans:
+            stage = plan.stage
+            try:
+                if not stage.applies(outputs):
+                    continue
+            except Exception:  # noqa: BLE001 - run() turns it into a dead letter
+                return None
+            key = plan.key(document)
+            stored = lookup.results.get((*ref, stage.name))
+            dead = key in lookup.dead.get(ref, ()) and not self.retry_dead_letters
+            if (stored is None or stored[0] != key) and not dead:
+                return None
+            tally.stage_runs += 1
+            tally.stored_hits += 1
+            tally.keys.append(key)
+            if dead:
+                return DocumentOutcome(document=None), tally
+            if needs_outputs:
+                outputs[stage.name] = stage.output_model.model_validate(stored[1])  # type: ignore[index]
+        return None if ref in lookup.dead else (DocumentOutcome(document=None), tally)
+
     async def run(self, document: Document, payload: bytes, lookup: Lookup) -> tuple[DocumentOutcome, Tally]:
         tally = Tally()
         outputs: dict[str, BaseModel] = {}
@@ -232,12 +261,10 @@ class Executor:
             return await self._compute(plan, document, key)
         delay = 0.05
         while True:
+            # A claim is refused for a key that is already cached, so winning one means computing.
+            if await self.peers.claim(key):
+                return await self._compute(plan, document, key)
             entry = await self.peers.cached(key)
-            if entry is None and await self.peers.claim(key):
-                # The holder may have committed and released between the two looks: look once more.
-                entry = await self.peers.cached(key)
-                if entry is None:
-                    return await self._compute(plan, document, key)
             if entry is not None:
                 return Computed(entry=entry, calls=[], attempts=0, latency_ms=0.0, from_peer=True)
             await asyncio.sleep(delay)

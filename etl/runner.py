@@ -19,7 +19,7 @@ import collections
 import time
 import uuid
 from datetime import date, datetime, timezone
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -131,6 +131,8 @@ class Runner:
         self._live: dict[DocRef, tuple[str, asyncio.Task[Any]]] = {}
         self._done: list[tuple[DocumentOutcome, _Pending]] = []
         self._revoked: collections.deque[PartitionKey] = collections.deque()
+        self._claims: dict[str, asyncio.Future[bool]] = {}
+        self._cached: dict[str, asyncio.Future[CacheEntry | None]] = {}
         self._last_flush = 0.0
         self._stopping = False
 
@@ -162,14 +164,47 @@ class Runner:
         except (OSError, RuntimeError) as exc:
             raise SourceError(str(exc)) from exc
 
-    # Peers: claims and cache look-ups for the executor (single-flight across workers).
+    # Peers: claims and cache look-ups for the executor (single-flight across workers). Requests
+    # made in the same turn of the event loop share one store round trip.
     async def claim(self, key: str) -> bool:
-        assert isinstance(self.store, SqlStore)  # noqa: S101
-        return await self._store(self.store.claim, key, self.worker_id, self.claim_lease_s)
+        return await self._batched(self._claims, key, self._claim_many)
 
     async def cached(self, key: str) -> CacheEntry | None:
-        found: Lookup = await self._store(self.store.lookup, self.pipeline.name, [], [key])
-        return found.cache.get(key)
+        return await self._batched(self._cached, key, self._cached_many)
+
+    async def _claim_many(self, keys: list[str]) -> dict[str, bool]:
+        assert isinstance(self.store, SqlStore)  # noqa: S101 - peers exist only on a SqlStore
+        claimed = await self._store(self.store.claim_many, keys, self.worker_id, self.claim_lease_s)
+        return {key: key in claimed for key in keys}
+
+    async def _cached_many(self, keys: list[str]) -> dict[str, CacheEntry | None]:
+        found: Lookup = await self._store(self.store.lookup, self.pipeline.name, [], keys)
+        return {key: found.cache.get(key) for key in keys}
+
+    async def _batched(self, pending: dict[str, asyncio.Future[Any]], key: str,
+                       fetch: Callable[[list[str]], Awaitable[dict[str, Any]]]) -> Any:
+        future = pending.get(key)
+        if future is None:
+            future = pending[key] = asyncio.get_running_loop().create_future()
+            if len(pending) == 1:
+                asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._drain(pending, fetch)))
+        return await asyncio.shield(future)
+
+    @staticmethod
+    async def _drain(pending: dict[str, asyncio.Future[Any]],
+                     fetch: Callable[[list[str]], Awaitable[dict[str, Any]]]) -> None:
+        batch = dict(pending)
+        pending.clear()
+        try:
+            answers = await fetch(list(batch))
+        except Exception as exc:  # noqa: BLE001 - every waiter gets the failure
+            for future in batch.values():
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for key, future in batch.items():
+            if not future.done():
+                future.set_result(answers[key])
 
     async def _tokens_spent(self, tenant: str, day: date) -> int:
         if not isinstance(self.store, SqlStore):
@@ -223,7 +258,9 @@ class Runner:
                     for task in done:
                         self._finish(task)
                 finished = (exhausted or self._stopping) and not self._tasks
-                full = len(self._tasks) + len(self._done) >= self.max_in_flight
+                # Full: commit to make room, but in batches of a sixteenth of the window, not one by one.
+                full = (len(self._tasks) + len(self._done) >= self.max_in_flight
+                        and len(self._done) >= max(1, self.max_in_flight // 16))
                 if self._done and (finished or full or len(self._done) >= self.flush_size
                                    or time.perf_counter() - self._last_flush >= self.flush_interval_s):
                     await self._flush()
@@ -249,9 +286,10 @@ class Runner:
                 decoded.append((self.pipeline.decoder.decode(message, value_format), message, epoch))
             except BadInput as exc:
                 bad.append((exc, message, epoch))
+        keys = [self.executor.keys(doc) for doc, _, _ in decoded]
         lookup = await self._store(
             self.store.lookup, self.pipeline.name, [(d.tenant, d.key) for d, _, _ in decoded],
-            [key for doc, _, _ in decoded for key in self.executor.keys(doc)],
+            [key for doc_keys in keys for key in doc_keys],
             [(m.position.stream, m.position.partition, m.position.offset) for _, m, _ in bad],
         )
         for exc, message, epoch in bad:
@@ -263,7 +301,7 @@ class Runner:
                 log.warning("dead_letter", reason=exc.reason, stream=p.stream, partition=p.partition, offset=p.offset)
             self._done.append((outcome, _Pending(p, epoch, None, [])))
             self.tracker.complete(p, epoch)
-        for doc, message, epoch in decoded:
+        for (doc, message, epoch), doc_keys in zip(decoded, keys, strict=True):
             ref = (doc.tenant, doc.key)
             live = self._live.get(ref)
             if live is not None and live[0] == doc.content_hash:
@@ -272,8 +310,14 @@ class Runner:
                 task = asyncio.create_task(self._after(live[1]))
                 self._tasks[task] = _Pending(message.position, epoch, None, [])
                 continue
+            stored = self.executor.try_stored(doc, lookup)
+            if stored is not None:  # a redelivery: done without a task
+                self.stats.add(stored[1])
+                self._done.append((stored[0], _Pending(message.position, epoch, None, [])))
+                self.tracker.complete(message.position, epoch)
+                continue
             task = asyncio.create_task(self.executor.run(doc, message.value, lookup))
-            self._tasks[task] = _Pending(message.position, epoch, ref, self.executor.keys(doc), task)
+            self._tasks[task] = _Pending(message.position, epoch, ref, doc_keys, task)
             self._live[ref] = (doc.content_hash, task)
         self.stats.in_flight = len(self._tasks)
 

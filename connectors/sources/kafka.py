@@ -9,6 +9,7 @@ records them.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any, Literal
@@ -81,6 +82,9 @@ class KafkaSource(Source):
         self.consumer: KafkaConsumer | None = None
         self._producer: KafkaProducer | None = None
         self._paused = False
+        self._last_poll = time.monotonic()
+        #: Longest the consumer goes unpolled while the runner is full (far below max.poll.interval.ms).
+        self.keepalive_s = 5.0
         self._end: dict[TopicPartition, int] | None = None
 
     def open(self, ledger: PartitionLedger) -> None:
@@ -125,16 +129,22 @@ class KafkaSource(Source):
         consumer = self.consumer
         assert consumer is not None, "open() first"
         if max_records == 0:
-            # The runner is full: stop fetching but keep polling, so the group keeps us as a member.
+            # The runner is full. Briefly, do nothing: pausing drops what the consumer prefetched.
+            # Once full for a while (a slow model), pause the partitions and keep polling, so the
+            # group keeps this member well within max.poll.interval.ms.
+            if time.monotonic() - self._last_poll < self.keepalive_s:
+                return []
             if not self._paused:
                 consumer.pause(*consumer.assignment())
                 self._paused = True
             consumer.poll(timeout_ms=0)
+            self._last_poll = time.monotonic()
             return []
         if self._paused:
             consumer.resume(*consumer.paused())
             self._paused = False
         try:
+            self._last_poll = time.monotonic()
             batch = consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
         except KafkaError as exc:
             log.warning("poll_failed", error=type(exc).__name__)

@@ -147,9 +147,11 @@ class SqlStore(Store, Claims):
 
     def lookup(self, pipeline: str, docs: Iterable[DocRef], cache_keys: Iterable[str],
                positions: Iterable[tuple[str, int, int]] = ()) -> Lookup:
-        refs = sorted(set(docs))
-        keys = sorted(set(cache_keys))
+        refs = set(docs)
         found = Lookup(results={}, dead={}, cache={})
+        # Plain IN lists on one indexed column: row-value IN lists of hundreds of pairs plan badly.
+        # Rows of other tenants with the same key are filtered out here.
+        doc_keys = sorted({key for _, key in refs})
         with self.engine.connect() as conn:
             for chunk in _chunks(sorted(set(positions))):
                 at = tuple_(dead_letters.c.stream, dead_letters.c.partition, dead_letters.c.message_offset)
@@ -157,24 +159,26 @@ class SqlStore(Store, Claims):
                                            dead_letters.c.message_offset)
                                     .where(dead_letters.c.pipeline == pipeline, at.in_(chunk)))
                 found.dead_positions.update((stream, partition, offset) for stream, partition, offset in rows)
-            for chunk in _chunks(refs):
-                doc_in = tuple_(stage_results.c.tenant, stage_results.c.doc_key).in_(chunk)
+            for chunk in _chunks(doc_keys):
                 rows = conn.execute(
                     select(stage_results.c.tenant, stage_results.c.doc_key, stage_results.c.stage,
                            stage_results.c.cache_key, stage_results.c.output)
-                    .where(stage_results.c.pipeline == pipeline, doc_in)
+                    .where(stage_results.c.pipeline == pipeline, stage_results.c.doc_key.in_(chunk))
                 )
                 for tenant, key, stage, cache_key, output in rows:
-                    found.results[(tenant, key, stage)] = (cache_key, output)
-                dead_in = tuple_(dead_letters.c.tenant, dead_letters.c.doc_key).in_(chunk)
+                    if (tenant, key) in refs:
+                        found.results[(tenant, key, stage)] = (cache_key, output)
                 rows = conn.execute(
                     select(dead_letters.c.tenant, dead_letters.c.doc_key, dead_letters.c.cache_key).where(
-                        dead_letters.c.pipeline == pipeline, dead_letters.c.status == "open", dead_in
-                    )
+                        dead_letters.c.pipeline == pipeline, dead_letters.c.status == "open",
+                        dead_letters.c.doc_key.in_(chunk))
                 )
                 for tenant, key, cache_key in rows:
-                    found.dead.setdefault((tenant, key), set()).add(cache_key)
-            for chunk in _chunks(keys):
+                    if (tenant, key) in refs:
+                        found.dead.setdefault((tenant, key), set()).add(cache_key)
+            # A key whose result is already stored needs no cache look-up (every redelivery).
+            stored = {cache_key for cache_key, _ in found.results.values()}
+            for chunk in _chunks(sorted(set(cache_keys) - stored)):
                 for row in conn.execute(select(llm_cache).where(llm_cache.c.cache_key.in_(chunk))).mappings():
                     found.cache[row["cache_key"]] = CacheEntry(**{k: row[k] for k in CacheEntry.__dataclass_fields__})
         return found
@@ -184,15 +188,24 @@ class SqlStore(Store, Claims):
             self._write(conn, pipeline, batch)
 
     def claim(self, key: str, owner: str, lease_s: float) -> bool:
+        return key in self.claim_many([key], owner, lease_s)
+
+    def claim_many(self, keys: Sequence[str], owner: str, lease_s: float) -> set[str]:
+        """Claims what it can of ``keys`` in one transaction; a key already cached is not claimed
+        (whoever asks should read the cache), so a claim never outlives its result."""
         now = time.time()
-        stmt = self._insert(llm_claims).values(cache_key=key, owner=owner, expires_at=now + lease_s)
-        stmt = stmt.on_conflict_do_update(
-            index_elements=["cache_key"],
-            set_={"owner": owner, "expires_at": now + lease_s},
-            where=(llm_claims.c.expires_at < now) | (llm_claims.c.owner == owner),
-        ).returning(llm_claims.c.owner)
         with self.engine.begin() as conn:
-            return conn.execute(stmt).first() is not None
+            cached = set(conn.execute(select(llm_cache.c.cache_key).where(llm_cache.c.cache_key.in_(keys))).scalars())
+            wanted = [{"cache_key": k, "owner": owner, "expires_at": now + lease_s} for k in keys if k not in cached]
+            if not wanted:
+                return set()
+            stmt = self._insert(llm_claims)
+            stmt = stmt.on_conflict_do_update(
+                index_elements=["cache_key"],
+                set_={"owner": stmt.excluded.owner, "expires_at": stmt.excluded.expires_at},
+                where=(llm_claims.c.expires_at < now) | (llm_claims.c.owner == owner),
+            ).returning(llm_claims.c.cache_key)
+            return set(conn.execute(stmt, wanted).scalars())
 
     def tokens_spent(self, tenant: str, since: datetime) -> int:
         """Tokens a tenant's model attempts used since ``since`` (any pipeline): for budgets."""

@@ -86,6 +86,7 @@ stage_results = Table(
     _now(),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     UniqueConstraint("pipeline", "tenant", "doc_key", "stage", name="uq_stage_results_doc_stage"),
+    Index("ix_stage_results_doc_key", "pipeline", "doc_key"),  # the redelivery look-up
 )
 
 llm_cache = Table(
@@ -155,7 +156,7 @@ dead_letters = Table(
     Column("status", String(20), nullable=False, server_default="open"),
     _now(),
     UniqueConstraint("pipeline", "stream", "partition", "message_offset", name="uq_dead_letters_position"),
-    Index("ix_dead_letters_doc", "pipeline", "tenant", "doc_key"),
+    Index("ix_dead_letters_doc", "pipeline", "doc_key"),
 )
 
 llm_claims = Table(

@@ -36,7 +36,7 @@ def upgrade() -> None:
     sa.UniqueConstraint('pipeline', 'stream', 'partition', 'message_offset', name='uq_dead_letters_position')
     )
     with op.batch_alter_table('dead_letters', schema=None) as batch_op:
-        batch_op.create_index('ix_dead_letters_doc', ['pipeline', 'tenant', 'doc_key'], unique=False)
+        batch_op.create_index('ix_dead_letters_doc', ['pipeline', 'doc_key'], unique=False)
 
     op.create_table('documents',
     sa.Column('id', sa.BigInteger().with_variant(sa.Integer(), 'sqlite'), autoincrement=True, nullable=False),
@@ -115,9 +115,15 @@ def upgrade() -> None:
     sa.PrimaryKeyConstraint('id'),
     sa.UniqueConstraint('pipeline', 'tenant', 'doc_key', 'stage', name='uq_stage_results_doc_stage')
     )
+    with op.batch_alter_table('stage_results', schema=None) as batch_op:
+        batch_op.create_index('ix_stage_results_doc_key', ['pipeline', 'doc_key'], unique=False)
+
 
 
 def downgrade() -> None:
+    with op.batch_alter_table('stage_results', schema=None) as batch_op:
+        batch_op.drop_index('ix_stage_results_doc_key')
+
     op.drop_table('stage_results')
     op.drop_table('source_positions')
     with op.batch_alter_table('llm_calls', schema=None) as batch_op:
