@@ -124,7 +124,10 @@ class Runner:
                                  tenant_plans=tenant_plans, budgets=budgets, review=pipeline.review)
         self.tracker = OffsetTracker()
         self.stats = RunStats()
-        self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store")
+        # Look-ups, claims and the (one at a time) commits overlap on a server database; SQLite
+        # takes one writer at a time anyway.
+        parallel = isinstance(store, SqlStore) and store.engine.dialect.name != "sqlite"
+        self._db = ThreadPoolExecutor(max_workers=4 if parallel else 1, thread_name_prefix="store")
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="source")
         self._tasks: dict[asyncio.Task[tuple[DocumentOutcome, Tally]], _Pending] = {}
         #: Documents dispatched but not yet committed: a duplicate of one waits for it instead.
@@ -233,13 +236,19 @@ class Runner:
         await self._source(source.open, self)
         self._last_flush = last_message = time.perf_counter()
         exhausted = False
+        flushing: asyncio.Task[None] | None = None
         try:
             while True:
-                polled = 0
+                if flushing is not None and flushing.done():
+                    flushing.result()  # a failed commit stops the run; nothing after it was committed
+                    flushing = None
+                polled, room = 0, 0
                 if not exhausted and not self._stopping:
                     # In flight = dispatched and not yet committed, so a crash loses at most this much.
                     room = self.max_in_flight - len(self._tasks) - len(self._done)
-                    messages = await self._source(source.poll, max(room, 0), self.poll_timeout_s if room > 0 else 0.0)
+                    busy = bool(self._tasks or self._done)
+                    timeout = 0.0 if room <= 0 else 0.005 if busy else self.poll_timeout_s
+                    messages = await self._source(source.poll, max(room, 0), timeout)
                     while self._revoked:
                         self.tracker.forget(self._revoked.popleft())
                     if messages is None:
@@ -253,22 +262,32 @@ class Runner:
                         exhausted = True  # an endless source that has gone quiet: stop, as asked
                 if self._tasks:
                     # Poll again at once while there is room and messages flow; otherwise wait a little.
-                    wait = 0 if (polled and len(self._tasks) + len(self._done) < self.max_in_flight) else 0.05
-                    done, _ = await asyncio.wait(self._tasks, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                    wait = 0 if polled and room > polled else 0.05
+                    waitables: set[asyncio.Future[Any]] = {*self._tasks, *([flushing] if flushing else [])}
+                    done, _ = await asyncio.wait(waitables, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                     for task in done:
-                        self._finish(task)
+                        if task is not flushing:
+                            self._finish(task)  # type: ignore[arg-type]
                 finished = (exhausted or self._stopping) and not self._tasks
+                if finished:
+                    if flushing is not None:
+                        await flushing
+                    if self._done:
+                        await self._flush()
+                    break
                 # Full: commit to make room, but in batches of a sixteenth of the window, not one by one.
                 full = (len(self._tasks) + len(self._done) >= self.max_in_flight
-                        and len(self._done) >= max(1, self.max_in_flight // 16))
-                if self._done and (finished or full or len(self._done) >= self.flush_size
-                                   or time.perf_counter() - self._last_flush >= self.flush_interval_s):
-                    await self._flush()
-                if finished:
-                    break
+                        and len(self._done) >= max(1, self.max_in_flight // 64))
+                if flushing is None and self._done and (
+                        full or len(self._done) >= self.flush_size
+                        or time.perf_counter() - self._last_flush >= self.flush_interval_s):
+                    # Commits run beside the loop, so the model keeps working while the store writes.
+                    flushing = asyncio.create_task(self._flush())
         finally:
             for task in self._tasks:
                 task.cancel()
+            if flushing is not None and not flushing.done():
+                await asyncio.wait([flushing])
             await asyncio.get_running_loop().run_in_executor(self._io, source.close)
             self._db.shutdown(wait=True)
             self._io.shutdown(wait=True)

@@ -1,0 +1,400 @@
+"""idem-etl benchmarks against real Kafka and PostgreSQL; writes bench/RESULTS.md.
+
+Every figure is a ratio against a baseline measured in the same run (so it holds on a noisy
+machine), reported as the median and min–max over RUNS runs. Run with `bash bench/run.sh`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from datetime import datetime, timezone
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import KafkaAdminClient, NewTopic
+from pydantic import BaseModel
+from sqlalchemy import Column, Integer, MetaData, String, Table, create_engine, text
+
+from etl import Classify, KafkaSource, Pipeline
+from etl.llm.base import LLMRequest
+from etl.log import configure
+from etl.run import build_runner
+from etl.settings import Settings
+from etl.testing import FakeLLM, lognormal
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = int(os.environ.get("BENCH_RUNS", "5"))
+KAFKA = os.environ["ETL_TEST_KAFKA"]
+POSTGRES = os.environ["ETL_TEST_POSTGRES_URL"]
+LABELS = ["billing", "technical", "account", "other"]
+MEDIAN_S, SIGMA = 0.2, 0.5
+MEAN_S = MEDIAN_S * math.exp(SIGMA**2 / 2)  # the mean of that lognormal: what "ideal" divides by
+
+
+def log(*args: object) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+# -- services --------------------------------------------------------------------------------
+
+
+def new_topic(partitions: int = 4) -> str:
+    name = f"bench-{uuid.uuid4().hex[:10]}"
+    admin = KafkaAdminClient(bootstrap_servers=KAFKA)
+    admin.create_topics([NewTopic(name, partitions, 1)])
+    admin.close()
+    return name
+
+
+def produce(topic: str, docs: list[dict[str, str]], partitions: int = 4) -> None:
+    producer = KafkaProducer(bootstrap_servers=KAFKA, linger_ms=50, batch_size=256 * 1024, acks="all")
+    for i, doc in enumerate(docs):
+        producer.send(topic, json.dumps(doc).encode(), partition=i % partitions)
+    producer.flush(timeout=120)
+    producer.close()
+
+
+def fresh_schema() -> str:
+    schema = f"bench_{uuid.uuid4().hex[:10]}"
+    with create_engine(POSTGRES).begin() as conn:
+        conn.execute(text(f"CREATE SCHEMA {schema}"))
+    return f"{POSTGRES}?options=-csearch_path%3D{schema}"
+
+
+def tickets(n: int, duplicate_share: float = 0.0, seed: int = 0) -> list[dict[str, str]]:
+    import random  # noqa: PLC0415
+
+    rng = random.Random(seed)
+    texts: list[str] = []
+    docs = []
+    for i in range(n):
+        if texts and rng.random() < duplicate_share:
+            text_ = rng.choice(texts)
+        else:
+            text_ = f"ticket {seed}-{i}: {rng.choice(['refund', 'login', 'crash'])} #{rng.randint(0, 10**9)}"
+            texts.append(text_)
+        docs.append({"id": f"d{seed}-{i}", "tenant": ["acme", "globex"][i % 2], "text": text_})
+    return docs
+
+
+def steady_rate(marks: list[tuple[float, int]], total: int) -> float:
+    """Completions per second between 10% and 90% of the run: the steady state, without start-up
+    (joining, first fetch) or the drain (the slowest calls of the last batch)."""
+    t10 = next(t for t, done in marks if done >= 0.1 * total)
+    t90 = next(t for t, done in marks if done >= 0.9 * total)
+    done10 = next(done for t, done in marks if t == t10)
+    done90 = next(done for t, done in marks if t == t90)
+    return (done90 - done10) / (t90 - t10) if t90 > t10 else float("nan")
+
+
+def run_idem(topic: str, url: str, llm: FakeLLM, in_flight: int) -> tuple[int, float, list[tuple[float, int]]]:
+    """(messages, seconds, completion marks) for idem-etl reading ``topic`` from offset 0 to its end."""
+    pipeline = Pipeline("bench", KafkaSource(topic, replay_from="start"), [Classify(LABELS, "Route.")],
+                        store=url, review=None)
+    settings = Settings(kafka_bootstrap=KAFKA, max_in_flight=in_flight, flush_size=2000)
+    marks: list[tuple[float, int]] = []
+    runner = build_runner(pipeline, settings, llm=llm,
+                          on_progress=lambda st: marks.append((time.perf_counter(), st.stage_runs)))
+    started = time.perf_counter()
+    stats = asyncio.run(runner.run())
+    return stats.messages, time.perf_counter() - started, marks
+
+
+def run_raw(topic: str) -> tuple[int, float]:
+    """Plain kafka-python consumption of the same topic: the replay baseline."""
+    consumer = KafkaConsumer(bootstrap_servers=KAFKA, enable_auto_commit=False)
+    tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
+    consumer.assign(tps)
+    consumer.seek_to_beginning(*tps)
+    end = consumer.end_offsets(tps)
+    count, started = 0, time.perf_counter()
+    while any(consumer.position(tp) < end[tp] for tp in tps):
+        for records in consumer.poll(timeout_ms=200, max_records=500).values():
+            count += sum(1 for r in records if json.loads(r.value))  # decode, as any consumer must
+    elapsed = time.perf_counter() - started
+    consumer.close()
+    return count, elapsed
+
+
+class _Route(BaseModel):
+    label: str
+
+
+def run_naive(topic: str, url: str, llm: FakeLLM, concurrency: int) -> tuple[int, float, list[tuple[float, int]]]:
+    """The loop people write first: poll a batch, call the model for each, validate, insert, commit."""
+    engine = create_engine(url)
+    meta = MetaData()
+    table = Table("naive_results", meta, Column("id", Integer, primary_key=True), Column("doc_key", String),
+                  Column("label", String))
+    meta.create_all(engine)
+    consumer = KafkaConsumer(bootstrap_servers=KAFKA, enable_auto_commit=False)
+    tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
+    consumer.assign(tps)
+    consumer.seek_to_beginning(*tps)
+    end = consumer.end_offsets(tps)
+    schema = Classify(LABELS, "Route.").llm_schema()
+
+    marks: list[tuple[float, int]] = []
+
+    async def loop() -> int:
+        count = 0
+        while any(consumer.position(tp) < end[tp] for tp in tps):
+            records = [r for rs in consumer.poll(timeout_ms=200, max_records=concurrency).values() for r in rs]
+            docs = [json.loads(r.value) for r in records]
+            answers = await asyncio.gather(*(llm.generate(LLMRequest(
+                messages=[{"role": "user", "content": d["text"]}], json_schema=schema)) for d in docs))
+            rows = [{"doc_key": d["id"], "label": _Route.model_validate_json(a.text).label}
+                    for d, a in zip(docs, answers, strict=True)]
+            if rows:
+                with engine.begin() as conn:
+                    conn.execute(table.insert(), rows)
+            count += len(rows)
+            marks.append((time.perf_counter(), count))
+        return count
+
+    started = time.perf_counter()
+    count = asyncio.run(loop())
+    elapsed = time.perf_counter() - started
+    consumer.close()
+    engine.dispose()
+    return count, elapsed, marks
+
+
+# -- figures ---------------------------------------------------------------------------------
+
+Figure = dict[str, Any]
+
+
+def summary(name: str, values: list[float], goal: str, unit: str = "", met: Callable[[float], bool] | None = None,
+            note: str = "") -> Figure:
+    median = statistics.median(values)
+    return {"figure": name, "median": median, "min": min(values), "max": max(values), "runs": len(values),
+            "unit": unit, "goal": goal, "met": None if met is None else met(median), "note": note}
+
+
+def replay_figures(n: int = 20_000) -> list[Figure]:
+    topic = new_topic()
+    produce(topic, tickets(n))
+    url = fresh_schema()
+    run_idem(topic, url, FakeLLM(), in_flight=1000)  # process everything once
+    ratios, idem_rates, raw_rates = [], [], []
+    for r in range(RUNS):
+        raw_n, raw_s = run_raw(topic)
+        llm = FakeLLM()
+        idem_n, idem_s, _ = run_idem(topic, url, llm, in_flight=1000)
+        assert raw_n == idem_n == n and not llm.calls, (raw_n, idem_n, len(llm.calls))
+        raw_rates.append(raw_n / raw_s)
+        idem_rates.append(idem_n / idem_s)
+        ratios.append(idem_rates[-1] / raw_rates[-1])
+        log(f"replay run {r}: raw {raw_rates[-1]:.0f}/s idem {idem_rates[-1]:.0f}/s ratio {ratios[-1]:.3f}")
+    return [
+        summary(f"replay of {n:,} processed messages: idem-etl ÷ raw kafka-python", ratios, "≥ 0.5",
+                met=lambda v: v >= 0.5),
+        summary("  raw kafka-python consume + JSON decode", raw_rates, "baseline", "msgs/s"),
+        summary("  idem-etl replay (Kafka → PostgreSQL look-up, 0 LLM calls)", idem_rates, "", "msgs/s"),
+    ]
+
+
+def cold_figures() -> list[Figure]:
+    out = []
+    for concurrency in (1, 8, 64, 256):
+        n = max(30, int(6.0 * concurrency / MEAN_S))  # about 6 s of ideal work per run
+        ideal = concurrency / MEAN_S
+        vs_ideal, end_to_end, vs_naive, rates = [], [], [], []
+        for r in range(RUNS):
+            topic = new_topic()
+            produce(topic, tickets(n, seed=1000 * concurrency + r))
+            idem_n, idem_s, idem_marks = run_idem(
+                topic, fresh_schema(), FakeLLM(latency_s=lognormal(MEDIAN_S, SIGMA, seed=r)), in_flight=concurrency)
+            naive_n, _, naive_marks = run_naive(
+                topic, fresh_schema(), FakeLLM(latency_s=lognormal(MEDIAN_S, SIGMA, seed=r)), concurrency)
+            assert idem_n == naive_n == n
+            rates.append(steady_rate(idem_marks, n))
+            vs_ideal.append(rates[-1] / ideal)
+            end_to_end.append(idem_n / idem_s / ideal)
+            vs_naive.append(rates[-1] / steady_rate(naive_marks, n))
+            log(f"cold c={concurrency} run {r}: steady {rates[-1]:.1f}/s (end to end {idem_n / idem_s:.1f}/s) "
+                f"ideal {ideal:.1f}/s naive {steady_rate(naive_marks, n):.1f}/s")
+        goal = "≥ 0.9" if concurrency == 64 else ""
+        out.append(summary(f"cold path, concurrency {concurrency} ({n} msgs): idem-etl ÷ ideal", vs_ideal, goal,
+                           met=(lambda v: v >= 0.9) if concurrency == 64 else None,
+                           note=f"ideal = {concurrency} ÷ {MEAN_S * 1000:.0f} ms = {ideal:.1f} msgs/s; steady state "
+                                "(10%–90% of completions)"))
+        out.append(summary(f"  same, end to end (start-up and drain included), concurrency {concurrency}",
+                           end_to_end, ""))
+        out.append(summary(f"  idem-etl ÷ naive loop (both steady state), concurrency {concurrency}", vs_naive, ""))
+        out.append(summary(f"  idem-etl steady throughput, concurrency {concurrency}", rates, "", "msgs/s"))
+    return out
+
+
+def dedup_figures(n: int = 4000, workers: int = 2) -> list[Figure]:
+    out = []
+    for share in (0.3, 0.7):
+        ratios, saved = [], []
+        for r in range(RUNS):
+            docs = tickets(n, duplicate_share=share, seed=70_000 + int(share * 100) * 10 + r)
+            unique = len({(d["tenant"], d["text"]) for d in docs})
+            topic = new_topic()
+            produce(topic, docs)
+            url = fresh_schema()
+            calls = Path(f"/tmp/{topic}.calls")
+            env = {**os.environ, "ETL_DATABASE_URL": url, "ETL_KAFKA_BOOTSTRAP": KAFKA, "BENCH_TOPIC": topic,
+                   "BENCH_CALL_LOG": str(calls), "ETL_MAX_IN_FLIGHT": "64", "ETL_KAFKA_SESSION_TIMEOUT_MS": "6000"}
+            subprocess.run([sys.executable, "-m", "etl.cli", "db", "upgrade"], env=env, check=True, capture_output=True)
+            procs = [subprocess.Popen([sys.executable, "-m", "etl.cli", "run", str(ROOT / "bench" / "pipeline.py"),
+                                       "--stop-when-idle", "4"], env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL) for _ in range(workers)]
+            assert all(p.wait(timeout=600) == 0 for p in procs)
+            engine = create_engine(url)
+            with engine.connect() as conn:
+                done = conn.execute(text("SELECT count(*) FROM stage_results")).scalar_one()
+                saved_usd = conn.execute(text("SELECT coalesce(sum(cost), 0) FROM llm_calls "
+                                              "WHERE outcome = 'cache_hit'")).scalar_one()
+            engine.dispose()
+            made = len(calls.read_text().splitlines())
+            calls.unlink()
+            assert done == n, (done, n)
+            ratios.append(made / unique)
+            saved.append(float(saved_usd))
+            log(f"dedup {share:.0%} run {r}: calls {made} unique {unique} saved ${saved_usd:.6f}")
+        out.append(summary(f"dedup, {share:.0%} duplicate contents, {workers} workers: LLM calls ÷ unique contents",
+                           ratios, "= 1.00", met=lambda v: abs(v - 1) < 1e-9))
+        out.append(summary(f"  cost saved by the cache ({n} docs, FakeLLM at $0.15/$0.60 per Mtok)", saved, "",
+                           "USD"))
+    return out
+
+
+def constrained_figures() -> list[Figure]:
+    from etl import Extract, LocalLLM, Receipt  # noqa: PLC0415
+    from schemas import Document, Position  # noqa: PLC0415
+
+    llm = LocalLLM(n_ctx=2048)
+    stage = Extract(Receipt, "Extract the receipt's key fields.")
+    receipts = [json.loads(line) for line in (ROOT / "examples/data/receipts.jsonl").read_text().splitlines()[:5]]
+    requests = [LLMRequest(stage.render(Document(tenant="t", key=r["id"], content=r["text"], content_hash="-",
+                                                  position=Position(stream="s", offset=0))),
+                           stage.llm_schema(), max_tokens=96) for r in receipts]
+    llm.generate_sync(requests[0])  # load the model and build the constraint's index outside the timing
+    ratios = []
+    for r in range(RUNS):
+        rates = {}
+        for constrained in (True, False) if r % 2 == 0 else (False, True):
+            tokens = seconds = 0.0
+            for request in requests:
+                llm._llama.reset()  # noqa: SLF001 - no prompt-cache advantage for either side
+                started = time.perf_counter()
+                response = llm.generate_sync(request, constrained=constrained)
+                seconds += time.perf_counter() - started
+                tokens += response.tokens_out
+            rates[constrained] = tokens / seconds
+        ratios.append(rates[True] / rates[False])
+        log(f"constrained run {r}: {rates[True]:.1f} vs {rates[False]:.1f} tokens/s")
+    return [summary("SmolLM2-135M tokens/s: outlines-constrained ÷ unconstrained llama.cpp", ratios, "≥ 0.8",
+                    met=lambda v: v >= 0.8, note="5 SROIE receipts, Receipt schema, max 96 tokens, greedy")]
+
+
+def memory_figures(n: int = 200_000) -> list[Figure]:
+    topic = new_topic()
+    log(f"memory: producing {n:,} messages")
+    produce(topic, tickets(n, seed=424242))
+    url = fresh_schema()
+    log("memory: processing them once")
+    run_idem(topic, url, FakeLLM(), in_flight=1000)
+    peaks, growth = [], []
+    env = {**os.environ, "ETL_DATABASE_URL": url, "ETL_KAFKA_BOOTSTRAP": KAFKA, "BENCH_TOPIC": topic,
+           "BENCH_REPLAY": "1", "ETL_MAX_IN_FLIGHT": "1000", "ETL_FLUSH_SIZE": "2000"}
+    for r in range(RUNS):
+        proc = subprocess.Popen([sys.executable, "-m", "etl.cli", "run", str(ROOT / "bench" / "pipeline.py")],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        samples = []
+        while proc.poll() is None:
+            try:
+                status = Path(f"/proc/{proc.pid}/status").read_text()
+                samples.append(int(next(l for l in status.splitlines() if l.startswith("VmRSS")).split()[1]) / 1024)
+            except (FileNotFoundError, StopIteration, ProcessLookupError):
+                pass
+            time.sleep(0.2)
+        assert proc.returncode == 0
+        steady = samples[len(samples) // 4:]  # after start-up
+        quarter = max(1, len(steady) // 4)
+        peaks.append(max(samples))
+        growth.append(statistics.mean(steady[-quarter:]) - statistics.mean(steady[:quarter]))
+        log(f"memory run {r}: peak {peaks[-1]:.0f} MB, last-quarter minus first-quarter {growth[-1]:+.1f} MB "
+            f"over {len(samples) * 0.2:.0f} s")
+    return [
+        summary(f"peak RSS during a {n:,}-message replay (`etl run`, replay source)", peaks, "< 300", "MB",
+                met=lambda v: v < 300),
+        summary("  RSS growth over the replay (last quarter − first quarter of steady state)", growth, "flat", "MB",
+                met=lambda v: abs(v) < 20),
+    ]
+
+
+# -- report ----------------------------------------------------------------------------------
+
+
+def machine() -> list[str]:
+    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
+                if l.startswith("model name")), platform.processor())
+    mem_kb = int(next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemTotal")).split()[1])
+    with create_engine(POSTGRES).connect() as conn:
+        pg = conn.execute(text("SHOW server_version")).scalar_one()
+    versions = ", ".join(f"{p} {version(p)}" for p in ("kafka-python", "sqlalchemy", "psycopg", "pydantic",
+                                                        "llama-cpp-python", "outlines"))
+    kafka = "Apache Kafka " + (ROOT / "services/kafka/pom.xml").read_text().split("<kafka.version>")[1].split("<")[0]
+    return [f"- CPU: {cpu}, {os.cpu_count()} cores; memory {mem_kb / 1024 / 1024:.0f} GiB; {platform.platform()}",
+            f"- Python {platform.python_version()}; {versions}",
+            f"- {kafka} (KRaft, single node, 127.0.0.1); PostgreSQL {pg} (127.0.0.1)"]
+
+
+def fmt(v: float, unit: str) -> str:
+    return f"{v:,.0f}" if unit in ("msgs/s",) else f"{v:,.1f}" if unit == "MB" else \
+        f"{v:.6f}" if unit == "USD" else f"{v:.3f}"
+
+
+def write(figures: list[Figure], started: datetime, elapsed: float) -> Path:
+    lines = ["# Benchmark results", "",
+             f"`bash bench/run.sh` on {started:%Y-%m-%d %H:%M} UTC, {elapsed / 60:.1f} minutes. Every figure is the "
+             f"median and min–max over {RUNS} runs; ratios are against a baseline measured in the same run.", "",
+             "## Machine", "", *machine(), "", "## Figures", "",
+             "| figure | median | min–max | unit | goal | met |", "|---|---:|---:|---|---|---|"]
+    for f in figures:
+        met = "" if f["met"] is None else ("yes" if f["met"] else "**no**")
+        lines.append(f"| {f['figure']} | {fmt(f['median'], f['unit'])} | {fmt(f['min'], f['unit'])}–"
+                     f"{fmt(f['max'], f['unit'])} | {f['unit'] or 'ratio'} | {f['goal']} | {met} |")
+    notes = [f"- {f['figure'].strip()}: {f['note']}" for f in figures if f["note"]]
+    lines += ["", "## Notes", "", *notes, "", (ROOT / "bench" / "NOTES.md").read_text().strip(), ""]
+    path = ROOT / "bench" / "RESULTS.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+SECTIONS = {"replay": replay_figures, "cold": cold_figures, "dedup": dedup_figures,
+            "constrained": constrained_figures, "memory": memory_figures}
+
+
+def main() -> None:
+    configure("error")
+    chosen = sys.argv[1:] or list(SECTIONS)
+    started, t0 = datetime.now(timezone.utc), time.perf_counter()
+    figures: list[Figure] = []
+    for name in chosen:
+        log(f"== {name}")
+        figures += SECTIONS[name]()
+    path = write(figures, started, time.perf_counter() - t0)
+    log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
