@@ -51,7 +51,8 @@ SETTINGS = Settings(llm_max_attempts=3, llm_max_retry_s=20, repairs=1, max_in_fl
 
 
 @pytest.mark.timeout(300)
-async def test_mixed_faults_end_as_results_or_typed_quarantine(sqlite_url: str) -> None:
+async def test_mixed_faults_end_as_results_or_typed_quarantine(sqlite_url: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
     with FaultServer(slow_s=1.0) as server:
         p, llm = pipeline(sqlite_url, server)
         stats = await build_runner(p, SETTINGS, llm=llm).run()
@@ -60,9 +61,10 @@ async def test_mixed_faults_end_as_results_or_typed_quarantine(sqlite_url: str) 
         results = {k for (k,) in rows(sqlite_url, "SELECT doc_key FROM stage_results")}
         outcomes = Counter(dict(rows(sqlite_url, "SELECT outcome, count(*) FROM llm_calls GROUP BY outcome")))
         tokens_in, tokens_out, cost = rows(sqlite_url, "SELECT sum(tokens_in), sum(tokens_out), sum(cost) FROM llm_calls")[0]
-        print(f"\nfault figures: documents={N} results={len(results)} quarantined={len(quarantined)} "
-              f"by_reason={dict(Counter(quarantined.values()))} llm_calls_by_outcome={dict(outcomes)} "
-              f"http_requests={server.requests} tokens={tokens_in}+{tokens_out} cost_usd={cost:.6f}")
+        with capsys.disabled():  # the figures belong in CI's output
+            print(f"\nfault figures: documents={N} results={len(results)} quarantined={len(quarantined)} "
+                  f"by_reason={dict(Counter(quarantined.values()))} llm_calls_by_outcome={dict(outcomes)} "
+                  f"http_requests={server.requests} tokens={tokens_in}+{tokens_out} cost_usd={cost:.6f}")
         assert stats.messages == N == len(results) + len(quarantined)  # in == results + quarantined
         assert not results & set(quarantined)
         for i in range(N):

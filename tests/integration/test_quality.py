@@ -42,14 +42,15 @@ def drifting_llm() -> FakeLLM:
     return FakeLLM(answer=answer, model_id="provider-model-v1")
 
 
-async def test_drift_alert_for_the_changed_tenant_only(store_url: str) -> None:
+async def test_drift_alert_for_the_changed_tenant_only(store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     docs = [{"id": f"{t}-{i}", "tenant": t, "text": f"[{t}] ticket #{i}"}
             for i in range(800) for t in ("steady", "shifty")]
     p = Pipeline("support", ListSource(docs), [Classify(LABELS, "Route.", name="route")], store=store_url)
     await run_pipeline(p, llm=drifting_llm())
     alerts = detect(make_engine(store_url), "support", window=200)
-    print("\ndrift figures:", [(a.tenant, a.stage, a.metric, round(a.baseline, 3), round(a.recent, 3),
-                                round(a.score, 3), a.threshold) for a in alerts])
+    with capsys.disabled():  # the figures belong in CI's output
+        print("\ndrift figures:", [(a.tenant, a.stage, a.metric, round(a.baseline, 3), round(a.recent, 3),
+                                    round(a.score, 3), a.threshold) for a in alerts])
     assert {a.tenant for a in alerts} == {"shifty"}
     psi = next(a for a in alerts if a.metric == "label_psi")
     assert psi.stage == "route" and psi.score > 0.2
@@ -57,7 +58,8 @@ async def test_drift_alert_for_the_changed_tenant_only(store_url: str) -> None:
 
 
 @pytest.mark.model
-def test_eval_on_banking77_golden_records_accuracy_per_tenant(tmp_path: Path, sqlite_url: str) -> None:
+def test_eval_on_banking77_golden_records_accuracy_per_tenant(tmp_path: Path, sqlite_url: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """The real local model, scored on 40 banking77 examples (two tenants), through the CLI."""
     golden = tmp_path / "golden.jsonl"
     golden.write_text("".join((EXAMPLES / "banking77_golden.jsonl").read_text().splitlines(keepends=True)[:40]))
@@ -73,7 +75,8 @@ def test_eval_on_banking77_golden_records_accuracy_per_tenant(tmp_path: Path, sq
     evaluated = cli.invoke(app, ["eval", str(tmp_path / "p.py")], env=env)
     assert evaluated.exit_code == 0, evaluated.output
     runs = rows(sqlite_url, "SELECT tenant, examples, accuracy, macro_f1, model FROM eval_runs ORDER BY tenant")
-    print("\neval figures:", runs)
+    with capsys.disabled():  # the figures belong in CI's output
+        print("\neval figures:", runs)
     assert [(t, n) for t, n, *_ in runs] == [("acme", 20), ("globex", 20)]
     results = rows(sqlite_url, "SELECT tenant, correct FROM eval_results")
     for tenant, _, accuracy, _, _ in runs:

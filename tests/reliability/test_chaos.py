@@ -110,7 +110,8 @@ def stored_positions(url: str) -> dict[int, int]:
     return dict(rows(url, "SELECT partition, next_offset FROM source_positions WHERE pipeline = 'reliability'"))
 
 
-def test_effectively_once_under_chaos(kafka_bootstrap: str, topic: str, postgres_url: str, tmp_path: Path) -> None:
+def test_effectively_once_under_chaos(kafka_bootstrap: str, topic: str, postgres_url: str, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
     messages, unique, malformed = corpus()
     produce(kafka_bootstrap, topic, messages)
     ends = end_offsets(kafka_bootstrap, topic)
@@ -175,7 +176,8 @@ def test_effectively_once_under_chaos(kafka_bootstrap: str, topic: str, postgres
 
     url = postgres_url
     good = MESSAGES - MALFORMED
-    print_worker_errors(tmp_path)
+    with capsys.disabled():  # the figures belong in CI's output
+        print_worker_errors(tmp_path)
     results = rows(url, "SELECT count(*), count(DISTINCT doc_key) FROM stage_results WHERE pipeline = 'reliability'")[0]
     documents = rows(url, "SELECT count(*) FROM documents WHERE pipeline = 'reliability'")[0][0]
     letters = rows(url, "SELECT partition, message_offset FROM dead_letters WHERE pipeline = 'reliability'")
@@ -183,16 +185,17 @@ def test_effectively_once_under_chaos(kafka_bootstrap: str, topic: str, postgres
     committed_calls = rows(url, "SELECT count(*) FROM llm_calls WHERE outcome = 'ok'")[0][0]
     cache_hits = rows(url, "SELECT count(*) FROM llm_calls WHERE outcome = 'cache_hit'")[0][0]
     bound = len(unique) + kills * MAX_IN_FLIGHT
-    print(
-        f"\nchaos figures: messages={MESSAGES} malformed={MALFORMED} unique_contents={len(unique)} "
-        f"kills={kills} crashes_respawned={crashes} events={done_events} workers_started={workers.started}\n"
-        f"  results={results[0]} distinct_docs={results[1]} documents={documents} dead_letters={len(letters)} "
-        f"(results + dead letters = {results[0] + len(letters)})\n"
-        f"  llm_calls_made={calls} committed_ok_calls={committed_calls} cache_hit_rows={cache_hits} "
-        f"bound(unique + kills x {MAX_IN_FLIGHT})={bound} wasted_by_crashes={calls - len(unique)}\n"
-        f"  stored_positions={stored_positions(url)} end_offsets={ends}\n"
-        f"  chaos_phase_s={chaos_s:.1f} processed_during_chaos={progress_at_chaos_end} total_s={total_s:.1f}"
-    )
+    with capsys.disabled():
+        print(
+            f"\nchaos figures: messages={MESSAGES} malformed={MALFORMED} unique_contents={len(unique)} "
+            f"kills={kills} crashes_respawned={crashes} events={done_events} workers_started={workers.started}\n"
+            f"  results={results[0]} distinct_docs={results[1]} documents={documents} dead_letters={len(letters)} "
+            f"(results + dead letters = {results[0] + len(letters)})\n"
+            f"  llm_calls_made={calls} committed_ok_calls={committed_calls} cache_hit_rows={cache_hits} "
+            f"bound(unique + kills x {MAX_IN_FLIGHT})={bound} wasted_by_crashes={calls - len(unique)}\n"
+            f"  stored_positions={stored_positions(url)} end_offsets={ends}\n"
+            f"  chaos_phase_s={chaos_s:.1f} processed_during_chaos={progress_at_chaos_end} total_s={total_s:.1f}"
+        )
     assert done_events == ["join", "restart-kafka", "leave", "restart-postgres"]
     assert results == (good, good) and documents == good  # exactly one result per good message
     by_position = {p: {o for part, o in letters if part == p} for p in ends}
