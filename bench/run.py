@@ -99,10 +99,12 @@ def steady_rate(marks: list[tuple[float, int]], total: int) -> float:
     return (done90 - done10) / (t90 - t10) if t90 > t10 else float("nan")
 
 
+STAGE = Classify(LABELS, "Route the support ticket.", name="route")  # the stage bench/pipeline.py runs too
+
+
 def run_idem(topic: str, url: str, llm: FakeLLM, in_flight: int) -> tuple[int, float, list[tuple[float, int]]]:
     """(messages, seconds, completion marks) for idem-etl reading ``topic`` from offset 0 to its end."""
-    pipeline = Pipeline("bench", KafkaSource(topic, replay_from="start"), [Classify(LABELS, "Route.")],
-                        store=url, review=None)
+    pipeline = Pipeline("bench", KafkaSource(topic, replay_from="start"), [STAGE], store=url, review=None)
     settings = Settings(kafka_bootstrap=KAFKA, max_in_flight=in_flight, flush_size=2000)
     marks: list[tuple[float, int]] = []
     runner = build_runner(pipeline, settings, llm=llm,
@@ -144,7 +146,7 @@ def run_naive(topic: str, url: str, llm: FakeLLM, concurrency: int) -> tuple[int
     consumer.assign(tps)
     consumer.seek_to_beginning(*tps)
     end = consumer.end_offsets(tps)
-    schema = Classify(LABELS, "Route.").llm_schema()
+    schema = STAGE.llm_schema()
 
     marks: list[tuple[float, int]] = []
 
@@ -311,7 +313,8 @@ def memory_figures(n: int = 200_000) -> list[Figure]:
     produce(topic, tickets(n, seed=424242))
     url = fresh_schema()
     log("memory: processing them once")
-    run_idem(topic, url, FakeLLM(), in_flight=1000)
+    processed, _, _ = run_idem(topic, url, FakeLLM(), in_flight=1000)
+    assert processed == n
     peaks, growth = [], []
     env = {**os.environ, "ETL_DATABASE_URL": url, "ETL_KAFKA_BOOTSTRAP": KAFKA, "BENCH_TOPIC": topic,
            "BENCH_REPLAY": "1", "ETL_MAX_IN_FLIGHT": "1000", "ETL_FLUSH_SIZE": "2000"}
@@ -363,10 +366,13 @@ def fmt(v: float, unit: str) -> str:
         f"{v:.6f}" if unit == "USD" else f"{v:.3f}"
 
 
-def write(figures: list[Figure], started: datetime, elapsed: float) -> Path:
+def write(sections: dict[str, dict[str, Any]]) -> Path:
+    """RESULTS.md from every section's latest saved run (bench/results/<section>.json)."""
+    figures = [f for name in SECTIONS if name in sections for f in sections[name]["figures"]]
+    runs = ", ".join(f"{name} {s['started']} ({s['minutes']:.1f} min)" for name, s in sections.items())
     lines = ["# Benchmark results", "",
-             f"`bash bench/run.sh` on {started:%Y-%m-%d %H:%M} UTC, {elapsed / 60:.1f} minutes. Every figure is the "
-             f"median and min–max over {RUNS} runs; ratios are against a baseline measured in the same run.", "",
+             f"`bash bench/run.sh`; sections last run: {runs}. Every figure is the median and min–max over "
+             f"{RUNS} runs; ratios are against a baseline measured in the same run.", "",
              "## Machine", "", *machine(), "", "## Figures", "",
              "| figure | median | min–max | unit | goal | met |", "|---|---:|---:|---|---|---|"]
     for f in figures:
@@ -386,14 +392,17 @@ SECTIONS = {"replay": replay_figures, "cold": cold_figures, "dedup": dedup_figur
 
 def main() -> None:
     configure("error")
-    chosen = sys.argv[1:] or list(SECTIONS)
-    started, t0 = datetime.now(timezone.utc), time.perf_counter()
-    figures: list[Figure] = []
-    for name in chosen:
+    saved = ROOT / "bench" / "results"
+    saved.mkdir(exist_ok=True)
+    for name in sys.argv[1:] or list(SECTIONS):
         log(f"== {name}")
-        figures += SECTIONS[name]()
-    path = write(figures, started, time.perf_counter() - t0)
-    log(f"wrote {path}")
+        started, t0 = datetime.now(timezone.utc), time.perf_counter()
+        figures = SECTIONS[name]()
+        (saved / f"{name}.json").write_text(json.dumps({
+            "started": f"{started:%Y-%m-%d %H:%M} UTC", "minutes": (time.perf_counter() - t0) / 60,
+            "figures": figures}, indent=1))
+    sections = {p.stem: json.loads(p.read_text()) for p in sorted(saved.glob("*.json"))}
+    log(f"wrote {write(sections)}")
 
 
 if __name__ == "__main__":

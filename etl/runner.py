@@ -19,7 +19,7 @@ import collections
 import time
 import uuid
 from datetime import date, datetime, timezone
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -28,12 +28,13 @@ from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from connectors.sources import Message, PartitionKey
-from connectors.store import Batch, CacheEntry, DocRef, DocumentOutcome, Lookup, SqlStore, Store
+from connectors.store import Batch, DocRef, DocumentOutcome, SqlStore, Store
 from etl.errors import BadInput, ConfigError, SourceError, StoreError
 from etl.execute import Executor, StagePlan, Tally
 from etl.llm.base import LLM
 from etl.log import get_logger
 from etl.metrics import Metrics
+from etl.peers import StorePeers
 from etl.pipeline import Pipeline
 from etl.settings import Settings
 from etl.tenancy import TenantBudgets
@@ -108,7 +109,8 @@ class Runner:
         self._reported = (0, 0)  # (messages, hits) already counted in metrics
         self._lag_checked = 0.0
         self.worker_id = uuid.uuid4().hex[:16]
-        peers = self if isinstance(store, SqlStore) else None
+        peers = StorePeers(self._store, store, pipeline.name, self.worker_id, self.claim_lease_s) \
+            if isinstance(store, SqlStore) else None
         plans: dict[str, list[StagePlan]] = {}
 
         def tenant_plans(tenant: str) -> list[StagePlan]:
@@ -134,8 +136,7 @@ class Runner:
         self._live: dict[DocRef, tuple[str, asyncio.Task[Any]]] = {}
         self._done: list[tuple[DocumentOutcome, _Pending]] = []
         self._revoked: collections.deque[PartitionKey] = collections.deque()
-        self._claims: dict[str, asyncio.Future[bool]] = {}
-        self._cached: dict[str, asyncio.Future[CacheEntry | None]] = {}
+
         self._last_flush = 0.0
         self._stopping = False
 
@@ -166,48 +167,6 @@ class Runner:
             return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
         except (OSError, RuntimeError) as exc:
             raise SourceError(str(exc)) from exc
-
-    # Peers: claims and cache look-ups for the executor (single-flight across workers). Requests
-    # made in the same turn of the event loop share one store round trip.
-    async def claim(self, key: str) -> bool:
-        return await self._batched(self._claims, key, self._claim_many)
-
-    async def cached(self, key: str) -> CacheEntry | None:
-        return await self._batched(self._cached, key, self._cached_many)
-
-    async def _claim_many(self, keys: list[str]) -> dict[str, bool]:
-        assert isinstance(self.store, SqlStore)  # noqa: S101 - peers exist only on a SqlStore
-        claimed = await self._store(self.store.claim_many, keys, self.worker_id, self.claim_lease_s)
-        return {key: key in claimed for key in keys}
-
-    async def _cached_many(self, keys: list[str]) -> dict[str, CacheEntry | None]:
-        found: Lookup = await self._store(self.store.lookup, self.pipeline.name, [], keys)
-        return {key: found.cache.get(key) for key in keys}
-
-    async def _batched(self, pending: dict[str, asyncio.Future[Any]], key: str,
-                       fetch: Callable[[list[str]], Awaitable[dict[str, Any]]]) -> Any:
-        future = pending.get(key)
-        if future is None:
-            future = pending[key] = asyncio.get_running_loop().create_future()
-            if len(pending) == 1:
-                asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._drain(pending, fetch)))
-        return await asyncio.shield(future)
-
-    @staticmethod
-    async def _drain(pending: dict[str, asyncio.Future[Any]],
-                     fetch: Callable[[list[str]], Awaitable[dict[str, Any]]]) -> None:
-        batch = dict(pending)
-        pending.clear()
-        try:
-            answers = await fetch(list(batch))
-        except Exception as exc:  # noqa: BLE001 - every waiter gets the failure
-            for future in batch.values():
-                if not future.done():
-                    future.set_exception(exc)
-            return
-        for key, future in batch.items():
-            if not future.done():
-                future.set_result(answers[key])
 
     async def _tokens_spent(self, tenant: str, day: date) -> int:
         if not isinstance(self.store, SqlStore):
