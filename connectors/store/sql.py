@@ -205,7 +205,14 @@ class SqlStore(Store, Claims):
                 set_={"owner": stmt.excluded.owner, "expires_at": stmt.excluded.expires_at},
                 where=(llm_claims.c.expires_at < now) | (llm_claims.c.owner == owner),
             ).returning(llm_claims.c.cache_key)
-            return set(conn.execute(stmt, wanted).scalars())
+            claimed = set(conn.execute(stmt, wanted).scalars())
+            # A holder may have committed its result (and dropped its claim) between the first look
+            # and the insert; this statement sees that commit, so such a claim is given back.
+            late = set(conn.execute(select(llm_cache.c.cache_key).where(llm_cache.c.cache_key.in_(claimed))).scalars()) \
+                if claimed else set()
+            if late:
+                conn.execute(delete(llm_claims).where(llm_claims.c.cache_key.in_(late), llm_claims.c.owner == owner))
+            return claimed - late
 
     def tokens_spent(self, tenant: str, since: datetime) -> int:
         """Tokens a tenant's model attempts used since ``since`` (any pipeline): for budgets."""
