@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pydantic import BaseModel
@@ -110,7 +110,6 @@ class Tally:
     cache_hits: int = 0
     llm_calls: int = 0
     saved_cost: float = 0.0
-    keys: list[str] = field(default_factory=list)
 
 
 class Executor:
@@ -141,7 +140,7 @@ class Executor:
     def keys(self, document: Document) -> list[str]:
         return [plan.key(document) for plan in self.plans_for(document.tenant)]
 
-    def try_stored(self, document: Document, lookup: Lookup) -> tuple[DocumentOutcome, Tally] | None:
+    def try_stored(self, document: Document, lookup: Lookup, keys: Sequence[str]) -> tuple[DocumentOutcome, Tally] | None:
         """The redelivery fast path, without a task or an await: the outcome when every stage that
         applies is already stored (or already dead-lettered) for this exact key, else None."""
         tally = Tally()
@@ -149,28 +148,28 @@ class Executor:
         ref = (document.tenant, document.key)
         plans = self.plans_for(document.tenant)
         needs_outputs = any(plan.stage.when is not None for plan in plans)
-        for plan in plans:
+        for plan, key in zip(plans, keys, strict=True):
             stage = plan.stage
             try:
                 if not stage.applies(outputs):
                     continue
             except Exception:  # noqa: BLE001 - run() turns it into a dead letter
                 return None
-            key = plan.key(document)
             stored = lookup.results.get((*ref, stage.name))
             dead = key in lookup.dead.get(ref, ()) and not self.retry_dead_letters
             if (stored is None or stored[0] != key) and not dead:
                 return None
             tally.stage_runs += 1
             tally.stored_hits += 1
-            tally.keys.append(key)
             if dead:
                 return DocumentOutcome(document=None), tally
             if needs_outputs:
                 outputs[stage.name] = stage.output_model.model_validate(stored[1])  # type: ignore[index]
         return None if ref in lookup.dead else (DocumentOutcome(document=None), tally)
 
-    async def run(self, document: Document, payload: bytes, lookup: Lookup) -> tuple[DocumentOutcome, Tally]:
+    async def run(self, document: Document, payload: bytes, lookup: Lookup,
+                  keys: Sequence[str]) -> tuple[DocumentOutcome, Tally]:
+        """All stages for one document; ``keys`` are its cache keys, one per plan (see ``keys``)."""
         tally = Tally()
         outputs: dict[str, BaseModel] = {}
         results: list[StageResult] = []
@@ -179,7 +178,7 @@ class Executor:
         cache: list[CacheEntry] = []
         ref = (document.tenant, document.key)
         reviews: list[tuple[str, dict[str, Any], str]] = []
-        for plan in self.plans_for(document.tenant):
+        for plan, key in zip(self.plans_for(document.tenant), keys, strict=True):
             stage = plan.stage
             try:
                 applies = stage.applies(outputs)
@@ -188,9 +187,7 @@ class Executor:
                                   f"when= raised {type(exc).__name__}: {exc}", None, results, typed, calls, cache), tally
             if not applies:
                 continue
-            key = plan.key(document)
             tally.stage_runs += 1
-            tally.keys.append(key)
             stored = lookup.results.get((*ref, stage.name))
             if stored is not None and stored[0] == key:
                 # Redelivery: this exact result is already committed. Nothing to call or write.

@@ -288,13 +288,13 @@ class Runner:
                 task = asyncio.create_task(self._after(live[1]))
                 self._tasks[task] = _Pending(message.position, epoch, None, [])
                 continue
-            stored = self.executor.try_stored(doc, lookup)
+            stored = self.executor.try_stored(doc, lookup, doc_keys)
             if stored is not None:  # a redelivery: done without a task
                 self.stats.add(stored[1])
                 self._done.append((stored[0], _Pending(message.position, epoch, None, [])))
                 self.tracker.complete(message.position, epoch)
                 continue
-            task = asyncio.create_task(self.executor.run(doc, message.value, lookup))
+            task = asyncio.create_task(self.executor.run(doc, message.value, lookup, doc_keys))
             self._tasks[task] = _Pending(message.position, epoch, ref, doc_keys, task)
             self._live[ref] = (doc.content_hash, task)
         self.stats.in_flight = len(self._tasks)
