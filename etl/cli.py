@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 from datetime import datetime
 from typing import Annotated, Any
 
@@ -137,8 +138,6 @@ def _run(pipeline: str, db: str | None, metrics_port: int | None, stop_when_idle
 
 
 def stats_elapsed(stats: Any) -> float:
-    import time  # noqa: PLC0415
-
     return stats.elapsed_s or (time.perf_counter() - stats.started)
 
 

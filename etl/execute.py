@@ -115,14 +115,12 @@ class Tally:
 class Executor:
     """Runs the stages of a pipeline for one document at a time (many concurrently)."""
 
-    def __init__(self, plans: Sequence[StagePlan], llm: LLM, peers: Peers | None = None, max_attempts: int = 4,
-                 max_retry_s: float = 60.0, repairs: int = 1, retry_dead_letters: bool = False,
-                 tenant_plans: Callable[[str], list[StagePlan]] | None = None, budgets: TenantBudgets | None = None,
-                 review: ReviewSampling | None = None) -> None:
-        self.plans = list(plans)
-        self.llm = llm
+    def __init__(self, plans_for: Callable[[str], Sequence[StagePlan]], peers: Peers | None = None,
+                 max_attempts: int = 4, max_retry_s: float = 60.0, repairs: int = 1, retry_dead_letters: bool = False,
+                 budgets: TenantBudgets | None = None, review: ReviewSampling | None = None) -> None:
+        #: The stages a tenant runs, each with its model and hashes (tenant overrides included).
+        self.plans_for = plans_for
         self.peers = peers
-        self._tenant_plans = tenant_plans
         self.budgets = budgets
         self.review = review
         #: (tenant, stage, label) already sampled as a first sighting (loaded by the runner).
@@ -133,9 +131,6 @@ class Executor:
         self.repairs = repairs
         #: ``etl dlq replay``: quarantined documents are retried instead of being no-ops.
         self.retry_dead_letters = retry_dead_letters
-
-    def plans_for(self, tenant: str) -> list[StagePlan]:
-        return self._tenant_plans(tenant) if self._tenant_plans is not None else self.plans
 
     def keys(self, document: Document) -> list[str]:
         return [plan.key(document) for plan in self.plans_for(document.tenant)]

@@ -120,10 +120,9 @@ class Runner:
             return plans[tenant]
 
         budgets = TenantBudgets(pipeline.budgets, self._tokens_spent) if pipeline.budgets else None
-        self.executor = Executor([StagePlan.of(s, llm) for s in pipeline.stages], llm, peers,
-                                 max_attempts=settings.llm_max_attempts, max_retry_s=settings.llm_max_retry_s,
-                                 repairs=settings.repairs, retry_dead_letters=replaying_dead_letters,
-                                 tenant_plans=tenant_plans, budgets=budgets, review=pipeline.review)
+        self.executor = Executor(tenant_plans, peers, max_attempts=settings.llm_max_attempts,
+                                 max_retry_s=settings.llm_max_retry_s, repairs=settings.repairs,
+                                 retry_dead_letters=replaying_dead_letters, budgets=budgets, review=pipeline.review)
         self.tracker = OffsetTracker()
         self.stats = RunStats()
         # Look-ups, claims and the (one at a time) commits overlap on a server database; SQLite

@@ -73,7 +73,7 @@ async def evaluate(engine: Engine, pipeline: Pipeline, llm: LLM, stage_name: str
         for example in examples:
             by_tenant.setdefault(example["tenant"], []).append(example)
         plan = StagePlan.of(stage, llm)
-        executor = Executor([plan], llm, repairs=1)
+        executor = Executor(lambda _tenant, plans=[plan]: plans, repairs=1)
         gate = asyncio.Semaphore(concurrency)
 
         async def answer(example: dict[str, Any]) -> tuple[dict[str, Any] | None, list[Any], str | None]:
