@@ -103,7 +103,13 @@ async def test_real_model_pipeline_outputs_are_schema_valid(llm: LocalLLM, sqlit
     for stage, output in rows(sqlite_url, "SELECT stage, output FROM stage_results"):
         model = Receipt if stage == "receipt" else p.stages[0].output_model
         model.model_validate_json(output)
-    assert rows(sqlite_url, "SELECT count(*) FROM receipt WHERE total >= 0 AND company <> ''")[0][0] == 3
+    # The typed table holds exactly the stored outputs (what the 135M model extracts is the eval's
+    # business, not this test's: an empty company is schema-valid).
+    stored = {k: Receipt.model_validate_json(o)
+              for k, o in rows(sqlite_url, "SELECT doc_key, output FROM stage_results WHERE stage = 'receipt'")}
+    typed = {k: fields for k, *fields in rows(sqlite_url, "SELECT doc_key, company, date, address, total FROM receipt")}
+    assert stored.keys() == typed.keys() == {d["id"] for d in docs}
+    assert all(typed[k] == [r.company, r.date, r.address, r.total] for k, r in stored.items())
     assert all(r[0] == llm.path.stem for r in rows(sqlite_url, "SELECT model FROM stage_results"))
     before = counts(sqlite_url)
     again = await run_pipeline(Pipeline("real", ListSource(docs), p.stages, store=sqlite_url), llm=llm)
