@@ -1,13 +1,14 @@
 """Hashing and idempotency: content hashes, stage fingerprints, cache keys, single-flight."""
 
 from dedup.claims import Claims
-from dedup.hashing import cache_key, canonical_json, content_hash, normalize_content, sha256_hex, stage_fingerprint
+from dedup.hashing import cache_key, cache_keys, canonical_json, content_hash, normalize_content, sha256_hex, stage_fingerprint
 from dedup.singleflight import SingleFlight
 
 __all__ = [
     "Claims",
     "SingleFlight",
     "cache_key",
+    "cache_keys",
     "canonical_json",
     "content_hash",
     "normalize_content",

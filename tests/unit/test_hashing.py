@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -107,6 +108,14 @@ def test_canonical_json_ignores_key_order_and_rejects_nan() -> None:
     assert canonical_json({"b": 1, "a": [1, {"d": 2, "c": 3}]}) == canonical_json({"a": [1, {"c": 3, "d": 2}], "b": 1})
     with pytest.raises(ValueError):
         canonical_json({"x": float("nan")})
+
+
+@pytest.mark.parametrize("tenant", ["acme", 'qu"ote\\', "tab\tnew\nline\x00", "Zürich 東京 🙂", ""])
+def test_cache_key_is_the_hash_of_canonical_json(tenant: str) -> None:
+    """The written-out fast form must stay byte-identical to the documented definition, or every
+    stored key would silently stop matching."""
+    fields = {"tenant": tenant, "fingerprint": "f" * 64, "content": "c" * 64}
+    assert cache_key(tenant, "f" * 64, "c" * 64) == hashlib.sha256(canonical_json(fields).encode()).hexdigest()
 
 
 def test_cache_key_separates_tenants() -> None:
