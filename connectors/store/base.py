@@ -60,8 +60,8 @@ class Batch:
 class Lookup:
     """What the store already knows about a set of documents and cache keys."""
 
-    #: (tenant, doc_key, stage) → (cache_key, output) of the stored result.
-    results: dict[tuple[str, str, str], tuple[str, dict[str, Any]]]
+    #: (tenant, doc_key, stage) → (cache_key, output) of the stored result (output None when not asked for).
+    results: dict[tuple[str, str, str], tuple[str, dict[str, Any] | None]]
     #: (tenant, doc_key) → cache keys of open dead letters (terminal failures already recorded).
     dead: dict[DocRef, set[str]]
     cache: dict[str, CacheEntry]
@@ -79,9 +79,21 @@ class Store(ABC):
 
     @abstractmethod
     def lookup(self, pipeline: str, docs: Iterable[DocRef], cache_keys: Iterable[str],
-               positions: Iterable[tuple[str, int, int]] = ()) -> Lookup:
+               positions: Iterable[tuple[str, int, int]] = (), *, outputs: bool = True) -> Lookup:
         """Called for each polled batch, before any LLM call: stored results (a redelivery is a
-        no-op), open dead letters by document and by position, and cached outputs. Read-only."""
+        no-op), open dead letters by document and by position, and cached outputs. Read-only.
+        With ``outputs=False`` stored results come without their output (None): enough to know
+        they are stored, and much cheaper when no ``when=`` predicate needs to read them."""
+
+    def unsettled(self, pipeline: str, expected: Sequence[tuple[str, str, str, str]]) -> set[DocRef]:
+        """Of the documents in ``expected`` ((tenant, doc key, stage, cache key) for every stage of
+        each), those not settled: some stage has no stored result for exactly that key, or the
+        document has an open dead letter. The rest are redeliveries with nothing to do, found
+        without reading their rows (a replay's look-up). Read-only."""
+        refs = {(tenant, key) for tenant, key, _, _ in expected}
+        found = self.lookup(pipeline, refs, [], outputs=False)
+        return {(tenant, key) for tenant, key, stage, cache_key in expected
+                if found.results.get((tenant, key, stage), ("",))[0] != cache_key} | (refs & found.dead.keys())
 
     @abstractmethod
     def write(self, pipeline: str, batch: Batch) -> None:

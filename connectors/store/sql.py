@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -14,15 +14,21 @@ from sqlalchemy import (
     Connection,
     Engine,
     MetaData,
+    ColumnElement,
     Table,
+    any_,
     bindparam,
     create_engine,
     delete,
     event,
     func,
     inspect,
+    literal,
+    null,
     select,
+    text,
     tuple_,
+    union_all,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
@@ -112,6 +118,39 @@ def _chunks(items: list[Any]) -> Iterable[list[Any]]:
         yield items[start : start + _CHUNK]
 
 
+def _members(conn: Connection, values: list[Any], *columns: ColumnElement[Any]) -> Iterator[list[ColumnElement[bool]]]:
+    """``column IN values`` for each of ``columns``, in as few statements as it takes: one
+    ``= ANY(array)`` on PostgreSQL (one parameter however many values and columns, so the statement
+    is planned once and the values sent once), IN lists on SQLite (no arrays, limited parameters)."""
+    if not values:
+        return
+    if conn.dialect.name == "postgresql":
+        values_param = bindparam("members", values, type_=postgresql.ARRAY(columns[0].type))
+        yield [column == any_(values_param) for column in columns]
+        return
+    for start in range(0, len(values), _CHUNK // len(columns)):
+        chunk = values[start : start + _CHUNK // len(columns)]
+        yield [column.in_(chunk) for column in columns]
+
+
+#: See ``SqlStore.unsettled``: (tenant, doc key, stage, cache key) rows with no stored result for
+#: exactly that key, and documents with an open dead letter. Both are probes of unique indexes.
+_UNSETTLED = text("""
+WITH expected AS (
+    SELECT e->>0 AS tenant, e->>1 AS doc_key, e->>2 AS stage, e->>3 AS cache_key
+    FROM json_array_elements(CAST(:expected AS json)) AS e
+)
+SELECT e.tenant, e.doc_key FROM expected AS e
+LEFT JOIN stage_results AS r
+    ON r.pipeline = :pipeline AND r.tenant = e.tenant AND r.doc_key = e.doc_key AND r.stage = e.stage
+WHERE r.cache_key IS DISTINCT FROM e.cache_key
+UNION
+SELECT e.tenant, e.doc_key FROM expected AS e
+WHERE EXISTS (SELECT 1 FROM dead_letters AS d WHERE d.pipeline = :pipeline AND d.status = 'open'
+              AND d.tenant = e.tenant AND d.doc_key = e.doc_key)
+""")
+
+
 class SqlStore(Store, Claims):
     """A :class:`Store` (and the workers' shared :class:`Claims`) on any SQLAlchemy URL that SQLite
     or PostgreSQL understands."""
@@ -146,42 +185,47 @@ class SqlStore(Store, Claims):
             )
 
     def lookup(self, pipeline: str, docs: Iterable[DocRef], cache_keys: Iterable[str],
-               positions: Iterable[tuple[str, int, int]] = ()) -> Lookup:
+               positions: Iterable[tuple[str, int, int]] = (), *, outputs: bool = True) -> Lookup:
         refs = set(docs)
         found = Lookup(results={}, dead={}, cache={})
-        # Plain IN lists on one indexed column: row-value IN lists of hundreds of pairs plan badly.
-        # Rows of other tenants with the same key are filtered out here.
-        doc_keys = sorted({key for _, key in refs})
+        r, d = stage_results.c, dead_letters.c
         with self.engine.connect() as conn:
             for chunk in _chunks(sorted(set(positions))):
-                at = tuple_(dead_letters.c.stream, dead_letters.c.partition, dead_letters.c.message_offset)
-                rows = conn.execute(select(dead_letters.c.stream, dead_letters.c.partition,
-                                           dead_letters.c.message_offset)
-                                    .where(dead_letters.c.pipeline == pipeline, at.in_(chunk)))
+                rows = conn.execute(select(d.stream, d.partition, d.message_offset).where(
+                    d.pipeline == pipeline, tuple_(d.stream, d.partition, d.message_offset).in_(chunk)))
                 found.dead_positions.update((stream, partition, offset) for stream, partition, offset in rows)
-            for chunk in _chunks(doc_keys):
-                rows = conn.execute(
-                    select(stage_results.c.tenant, stage_results.c.doc_key, stage_results.c.stage,
-                           stage_results.c.cache_key, stage_results.c.output)
-                    .where(stage_results.c.pipeline == pipeline, stage_results.c.doc_key.in_(chunk))
+            # Stored results and open dead letters in one statement, by members of one indexed column
+            # (row-value IN lists of hundreds of pairs plan badly); rows of other tenants with the
+            # same key are dropped here.
+            for of_results, of_dead in _members(conn, list({key for _, key in refs}), r.doc_key, d.doc_key):
+                statement = union_all(
+                    select(literal("result"), r.tenant, r.doc_key, r.stage, r.cache_key,
+                           r.output if outputs else null()).where(r.pipeline == pipeline, of_results),
+                    select(literal("dead"), d.tenant, d.doc_key, null(), d.cache_key, null()).where(
+                        d.pipeline == pipeline, d.status == "open", of_dead),
                 )
-                for tenant, key, stage, cache_key, output in rows:
-                    if (tenant, key) in refs:
+                for kind, tenant, key, stage, cache_key, output in conn.execute(statement).all():
+                    if (tenant, key) not in refs:
+                        continue
+                    if kind == "result":
                         found.results[(tenant, key, stage)] = (cache_key, output)
-                rows = conn.execute(
-                    select(dead_letters.c.tenant, dead_letters.c.doc_key, dead_letters.c.cache_key).where(
-                        dead_letters.c.pipeline == pipeline, dead_letters.c.status == "open",
-                        dead_letters.c.doc_key.in_(chunk))
-                )
-                for tenant, key, cache_key in rows:
-                    if (tenant, key) in refs:
+                    else:
                         found.dead.setdefault((tenant, key), set()).add(cache_key)
             # A key whose result is already stored needs no cache look-up (every redelivery).
             stored = {cache_key for cache_key, _ in found.results.values()}
-            for chunk in _chunks(sorted(set(cache_keys) - stored)):
-                for row in conn.execute(select(llm_cache).where(llm_cache.c.cache_key.in_(chunk))).mappings():
+            for (member,) in _members(conn, sorted(set(cache_keys) - stored), llm_cache.c.cache_key):
+                for row in conn.execute(select(llm_cache).where(member)).mappings():
                     found.cache[row["cache_key"]] = CacheEntry(**{k: row[k] for k in CacheEntry.__dataclass_fields__})
         return found
+
+    def unsettled(self, pipeline: str, expected: Sequence[tuple[str, str, str, str]]) -> set[DocRef]:
+        if self.engine.dialect.name != "postgresql":
+            return super().unsettled(pipeline, expected)
+        # PostgreSQL compares on its side and sends back only what is not settled: a replay's
+        # look-up returns no rows at all. The expectations travel as one JSON parameter.
+        with self.engine.connect() as conn:
+            rows = conn.execute(_UNSETTLED, {"pipeline": pipeline, "expected": json.dumps(expected)})
+            return {(tenant, key) for tenant, key in rows}
 
     def write(self, pipeline: str, batch: Batch) -> None:
         with self.engine.begin() as conn:
@@ -320,8 +364,8 @@ class SqlStore(Store, Claims):
         upsert(conn, review_queue, reviews, ("pipeline", "tenant", "doc_key", "stage"), None)
         # Results and failures are durable now: nobody needs to wait on these keys any more.
         done = sorted(set(cache) | {d["cache_key"] for d in dead if d["cache_key"]})
-        for chunk in _chunks(done):
-            conn.execute(delete(llm_claims).where(llm_claims.c.cache_key.in_(chunk)))
+        for (member,) in _members(conn, done, llm_claims.c.cache_key):
+            conn.execute(delete(llm_claims).where(member))
         positions = [
             {"pipeline": pipeline, "stream": stream, "partition": partition, "next_offset": offset}
             for (stream, partition), offset in batch.positions.items()
