@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from connectors.sources import Message
-from dedup import content_hash, normalize_content
+from dedup import normalize_content, sha256_hex
 from etl.errors import BadInput
 from schemas import Document
+
+
+class Decoded(NamedTuple):
+    """What the decoder read from a message, before the :class:`Document` envelope is built: enough
+    to compute cache keys and find stored results, so a redelivery never pays for an envelope."""
+
+    tenant: str
+    key: str
+    content: str
+    content_hash: str
+    fields: dict[str, Any]
 
 
 class Decoder(BaseModel):
@@ -34,10 +46,15 @@ class Decoder(BaseModel):
 
     def decode(self, message: Message, value_format: Literal["json", "text"]) -> Document:
         """Raises BadInput with a one-line reason; the caller dead-letters the original bytes."""
-        if len(message.value) > self.max_bytes:
-            raise BadInput(f"message is {len(message.value)} bytes, over the {self.max_bytes}-byte limit")
+        return self.document(self.read(message, value_format), message)
+
+    def read(self, message: Message, value_format: Literal["json", "text"]) -> Decoded:
+        """``decode`` without the envelope (the hot path of every replay); raises BadInput."""
+        value = message.value
+        if len(value) > self.max_bytes:
+            raise BadInput(f"message is {len(value)} bytes, over the {self.max_bytes}-byte limit")
         try:
-            text = message.value.decode("utf-8")
+            text = value.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise BadInput(f"not valid UTF-8 at byte {exc.start}") from exc
         fields: dict[str, Any] = {}
@@ -49,35 +66,44 @@ class Decoder(BaseModel):
             if not isinstance(fields, dict):
                 raise BadInput(f"expected a JSON object, got {type(fields).__name__}")
             content = fields.get(self.content_field)
-            if not isinstance(content, str) or not content.strip():
+            if not isinstance(content, str) or not content or content.isspace():
                 raise BadInput(f"field {self.content_field!r} is missing, empty or not a string")
         else:
             content = text
-            if not content.strip():
+            if not content or content.isspace():
                 raise BadInput("empty document")
         key = fields.get(self.key_field)
         if key is None and message.key is not None:
             key = message.key.decode("utf-8", errors="replace")
         if key is None:
-            p = message.position
-            key = f"{p.stream}:{p.partition}:{p.offset}"
+            key = f"{message.stream}:{message.partition}:{message.offset}"
         tenant = self._tenant(message, fields)
         if tenant is None:
             raise BadInput(f"no tenant ({self.tenant_from}) and no default tenant is configured")
+        fields.pop(self.content_field, None)  # the content travels on its own
         content = normalize_content(content)
-        # Every field is built and checked above: skip pydantic's validation on this hot path.
+        return Decoded(tenant, str(key), content, sha256_hex(content), fields)  # content_hash, normalized once
+
+    @staticmethod
+    def document(decoded: Decoded, message: Message) -> Document:
+        # Every field was built and checked by ``read``: skip pydantic's validation.
         return Document.model_construct(
-            tenant=tenant,
-            key=str(key),
-            content=content,
-            content_hash=content_hash(content),
+            tenant=decoded.tenant,
+            key=decoded.key,
+            content=decoded.content,
+            content_hash=decoded.content_hash,
             position=message.position,
-            fields={k: v for k, v in fields.items() if k != self.content_field},
+            fields=decoded.fields,
             received_at=datetime.now(timezone.utc),
         )
 
-    def _tenant(self, message: Message, fields: dict[str, Any]) -> str | None:
+    @functools.cached_property
+    def _tenant_source(self) -> tuple[str, str]:
         kind, _, name = self.tenant_from.partition(":")
+        return kind, name
+
+    def _tenant(self, message: Message, fields: dict[str, Any]) -> str | None:
+        kind, name = self._tenant_source
         value: Any = None
         if kind == "field":
             value = fields.get(name)

@@ -25,7 +25,8 @@ from tenacity import (
 )
 
 from connectors.store import CacheEntry, DocumentOutcome, Lookup
-from dedup import SingleFlight, cache_key, canonical_json, sha256_hex, stage_fingerprint
+from dedup import SingleFlight, cache_key, cache_keys, canonical_json, sha256_hex, stage_fingerprint
+from etl.decode import Decoded
 from etl.errors import BudgetExceeded, EtlError, LLMError, OutputError, SchemaInvalid, SemanticInvalid
 from etl.llm.base import LLM, LLMRequest, LLMResponse
 from etl.log import get_logger
@@ -66,7 +67,7 @@ class StagePlan:
             schema_hash=sha256_hex(canonical_json(spec["schema"])),
         )
 
-    def key(self, document: Document) -> str:
+    def key(self, document: Decoded | Document) -> str:
         return cache_key(document.tenant, self.fingerprint, document.content_hash)
 
 
@@ -126,23 +127,47 @@ class Executor:
         #: (tenant, stage, label) already sampled as a first sighting (loaded by the runner).
         self.seen_labels: set[tuple[str, str, str]] = set()
         self.flights: SingleFlight[Computed] = SingleFlight()
+        self._tenants: dict[str, tuple[list[str], list[str], bool]] = {}
         self.max_attempts = max_attempts
         self.max_retry_s = max_retry_s
         self.repairs = repairs
         #: ``etl dlq replay``: quarantined documents are retried instead of being no-ops.
         self.retry_dead_letters = retry_dead_letters
 
-    def keys(self, document: Document) -> list[str]:
-        return [plan.key(document) for plan in self.plans_for(document.tenant)]
+    def keys(self, document: Decoded | Document) -> list[str]:
+        """The document's cache key for each of its tenant's stages, in plan order."""
+        return cache_keys(document.tenant, self._about(document.tenant)[1], document.content_hash)
 
-    def try_stored(self, document: Document, lookup: Lookup, keys: Sequence[str]) -> tuple[DocumentOutcome, Tally] | None:
-        """The redelivery fast path, without a task or an await: the outcome when every stage that
-        applies is already stored (or already dead-lettered) for this exact key, else None."""
-        tally = Tally()
+    def stage_names(self, tenant: str) -> list[str]:
+        """The tenant's stage names, in plan order (as ``keys``)."""
+        return self._about(tenant)[0]
+
+    def _about(self, tenant: str) -> tuple[list[str], list[str], bool]:
+        """(stage names, fingerprints, whether any stage has a when= predicate) of a tenant's plans,
+        which never change during a run."""
+        about = self._tenants.get(tenant)
+        if about is None:
+            plans = self.plans_for(tenant)
+            about = self._tenants[tenant] = ([plan.stage.name for plan in plans], [plan.fingerprint for plan in plans],
+                                             any(plan.stage.when is not None for plan in plans))
+        return about
+
+    def try_stored(self, document: Decoded | Document, lookup: Lookup, keys: Sequence[str]) -> int | None:
+        """The redelivery fast path, without a task, an await or a Document: when every stage that
+        applies is already stored (or already dead-lettered) for this exact key, the number of stage
+        runs so served, with nothing to call or write; else None (``run`` takes it from there)."""
+        tenant, doc_key = ref = (document.tenant, document.key)
+        plans = self.plans_for(tenant)
+        needs_outputs = self._about(tenant)[2]
+        if not needs_outputs and ref not in lookup.dead:
+            # Every stage applies and none can be quarantined: stored means every key is.
+            for plan, key in zip(plans, keys, strict=True):
+                stored = lookup.results.get((tenant, doc_key, plan.stage.name))
+                if stored is None or stored[0] != key:
+                    return None
+            return len(plans)
+        hits = 0
         outputs: dict[str, BaseModel] = {}
-        ref = (document.tenant, document.key)
-        plans = self.plans_for(document.tenant)
-        needs_outputs = any(plan.stage.when is not None for plan in plans)
         for plan, key in zip(plans, keys, strict=True):
             stage = plan.stage
             try:
@@ -154,13 +179,12 @@ class Executor:
             dead = key in lookup.dead.get(ref, ()) and not self.retry_dead_letters
             if (stored is None or stored[0] != key) and not dead:
                 return None
-            tally.stage_runs += 1
-            tally.stored_hits += 1
+            hits += 1
             if dead:
-                return DocumentOutcome(document=None), tally
+                return hits
             if needs_outputs:
                 outputs[stage.name] = stage.output_model.model_validate(stored[1])  # type: ignore[index]
-        return None if ref in lookup.dead else (DocumentOutcome(document=None), tally)
+        return None if ref in lookup.dead else hits
 
     async def run(self, document: Document, payload: bytes, lookup: Lookup,
                   keys: Sequence[str]) -> tuple[DocumentOutcome, Tally]:
@@ -187,7 +211,8 @@ class Executor:
             if stored is not None and stored[0] == key:
                 # Redelivery: this exact result is already committed. Nothing to call or write.
                 tally.stored_hits += 1
-                outputs[stage.name] = stage.output_model.model_validate(stored[1])
+                if stored[1] is not None:  # outputs are looked up whenever a when= predicate may read them
+                    outputs[stage.name] = stage.output_model.model_validate(stored[1])
                 continue
             if key in lookup.dead.get(ref, ()) and not self.retry_dead_letters:
                 # Already ended as a dead letter for this content and fingerprint: a no-op too.

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import functools
+import gc
 import time
 import uuid
 from datetime import date, datetime, timezone
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -29,6 +32,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_e
 
 from connectors.sources import Message, PartitionKey
 from connectors.store import Batch, DocRef, DocumentOutcome, SqlStore, Store
+from etl.decode import Decoded
 from etl.errors import BadInput, ConfigError, SourceError, StoreError
 from etl.execute import Executor, StagePlan, Tally
 from etl.llm.base import LLM
@@ -39,9 +43,10 @@ from etl.pipeline import Pipeline
 from etl.settings import Settings
 from etl.tenancy import TenantBudgets
 from etl.tracker import OffsetTracker
-from schemas import DeadLetter, Document, Position
+from schemas import DeadLetter, Position
 
 T = TypeVar("T")
+F = TypeVar("F", bound="asyncio.Future[Any]")
 log = get_logger("etl.runner")
 
 
@@ -136,8 +141,35 @@ class Runner:
         self._done: list[tuple[DocumentOutcome, _Pending]] = []
         self._revoked: collections.deque[PartitionKey] = collections.deque()
 
+        #: Set whenever a poll, look-up, document task or commit finishes: the loop's one wait.
+        self._wake = asyncio.Event()
+        #: Document tasks finished and not yet taken by the loop, in completion order.
+        self._completed: collections.deque[asyncio.Task[tuple[DocumentOutcome, Tally]]] = collections.deque()
+        #: Polled batches (with their tracker epochs) waiting for the store look-up, in order.
+        self._queued: collections.deque[tuple[list[Message], list[int]]] = collections.deque()
+        #: Largest poll: half the window, so one batch can be polled while another is looked up.
+        self._batch = max(1, self.max_in_flight // 2)
+        #: Messages polled and still queued, decoded or looked up (in flight too).
+        self._incoming = 0
+        #: Stored outputs are read only when a when= predicate may need them.
+        self._with_outputs = any(stage.when is not None for stages in (pipeline.stages, *pipeline.tenant_stages.values())
+                                 for stage in stages)
         self._last_flush = 0.0
         self._stopping = False
+
+    def _start(self, work: Coroutine[Any, Any, tuple[DocumentOutcome, Tally]], pending: _Pending
+               ) -> asyncio.Task[tuple[DocumentOutcome, Tally]]:
+        """A document task; when it finishes it queues itself for the loop and wakes it."""
+        pending.task = task = asyncio.create_task(work)
+        self._tasks[task] = pending
+        task.add_done_callback(self._completed.append)
+        task.add_done_callback(lambda _: self._wake.set())
+        return task
+
+    def _watch(self, future: F) -> F:
+        """Wakes the loop when ``future`` finishes."""
+        future.add_done_callback(lambda _: self._wake.set())
+        return future
 
     def stop(self) -> None:
         """Asks the loop to stop polling, finish in-flight work, commit, and return."""
@@ -192,111 +224,159 @@ class Runner:
         if isinstance(self.store, SqlStore) and self.pipeline.review is not None:
             self.executor.seen_labels = await self._store(self.store.sampled_labels, self.pipeline.name)
         await self._source(source.open, self)
-        self._last_flush = last_message = time.perf_counter()
+        self._last_flush = last_message = last_keepalive = time.perf_counter()
         exhausted = False
+        polling: asyncio.Future[list[Message] | None] | None = None
+        dispatching: asyncio.Task[None] | None = None
         flushing: asyncio.Task[None] | None = None
+        # What lives through the whole run (modules, models, connections) is not the collector's to
+        # walk on every full collection; per-message garbage is.
+        gc.freeze()
         try:
             while True:
                 if flushing is not None and flushing.done():
                     flushing.result()  # a failed commit stops the run; nothing after it was committed
                     flushing = None
-                polled, room = 0, 0
-                if not exhausted and not self._stopping:
-                    # In flight = dispatched and not yet committed, so a crash loses at most this much.
-                    room = self.max_in_flight - len(self._tasks) - len(self._done)
-                    busy = bool(self._tasks or self._done)
-                    timeout = 0.0 if room <= 0 else 0.005 if busy else self.poll_timeout_s
-                    messages = await self._source(source.poll, max(room, 0), timeout)
+                while self._completed:
+                    self._finish(self._completed.popleft())
+                if polling is None and not exhausted and not self._stopping:
+                    # In flight = polled and not yet committed, so a crash loses at most this much.
+                    # Batches of at most half the window, so the next poll runs while the batch
+                    # before it is looked up in the store; when full, an empty poll now and then
+                    # keeps the group membership alive.
+                    room = self.max_in_flight - len(self._tasks) - len(self._done) - self._incoming
+                    if room > 0 or time.perf_counter() - last_keepalive >= 1.0:
+                        polling = self._watch(asyncio.ensure_future(self._source(
+                            source.poll, min(max(room, 0), self._batch), self.poll_timeout_s if room > 0 else 0.0)))
+                        last_keepalive = time.perf_counter()
+                if polling is not None and polling.done():
+                    messages = polling.result()
+                    polling = None
                     while self._revoked:
                         self.tracker.forget(self._revoked.popleft())
                     if messages is None:
                         exhausted = True
                     elif messages:
-                        polled = len(messages)
                         last_message = time.perf_counter()
-                        await self._dispatch(messages)
-                    elif (self.idle_stop_s is not None and not self._tasks
+                        # Dispatched now, in poll order (a revocation from here on makes them stale);
+                        # looked up one batch at a time.
+                        self._queued.append((messages, [self.tracker.dispatch(m) for m in messages]))
+                        self._incoming += len(messages)
+                    elif (self.idle_stop_s is not None and not self._tasks and dispatching is None
                           and time.perf_counter() - last_message >= self.idle_stop_s):
                         exhausted = True  # an endless source that has gone quiet: stop, as asked
-                if self._tasks:
-                    # Poll again at once while there is room and messages flow; otherwise wait a little.
-                    wait = 0 if polled and room > polled else 0.05
-                    waitables: set[asyncio.Future[Any]] = {*self._tasks, *([flushing] if flushing else [])}
-                    done, _ = await asyncio.wait(waitables, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
-                    for task in done:
-                        if task is not flushing:
-                            self._finish(task)  # type: ignore[arg-type]
-                finished = (exhausted or self._stopping) and not self._tasks
-                if finished:
+                if dispatching is not None and dispatching.done():
+                    dispatching.result()
+                    dispatching = None
+                if dispatching is None and self._queued:
+                    dispatching = self._watch(asyncio.create_task(self._dispatch(*self._queued.popleft())))
+                if ((exhausted or self._stopping) and not self._tasks and polling is None and dispatching is None
+                        and not self._queued):
                     if flushing is not None:
                         await flushing
-                    if self._done:
+                    if self._done or self.tracker.moved:
                         await self._flush()
                     break
-                # Full: commit to make room, but in batches of a sixteenth of the window, not one by one.
+                # Full: commit to make room, but in batches of a sixty-fourth of the window, not one by one.
                 full = (len(self._tasks) + len(self._done) >= self.max_in_flight
                         and len(self._done) >= max(1, self.max_in_flight // 64))
-                if flushing is None and self._done and (
+                if flushing is None and (self._done or self.tracker.moved) and (
                         full or len(self._done) >= self.flush_size
                         or time.perf_counter() - self._last_flush >= self.flush_interval_s):
                     # Commits run beside the loop, so the model keeps working while the store writes.
-                    flushing = asyncio.create_task(self._flush())
+                    flushing = self._watch(asyncio.create_task(self._flush()))
+                if not self._completed:
+                    # Until a poll, look-up, task or commit finishes (each sets the event), or a while.
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(0.05):
+                            await self._wake.wait()
+                self._wake.clear()
         finally:
-            for task in self._tasks:
+            gc.unfreeze()
+            for task in (*self._tasks, *([dispatching] if dispatching else [])):
                 task.cancel()
-            if flushing is not None and not flushing.done():
-                await asyncio.wait([flushing])
+            for future in (polling, flushing):
+                if future is not None and not future.done():
+                    await asyncio.wait([future])
             await asyncio.get_running_loop().run_in_executor(self._io, source.close)
             self._db.shutdown(wait=True)
             self._io.shutdown(wait=True)
         self.stats.elapsed_s = time.perf_counter() - self.stats.started
         return self.stats
 
-    async def _dispatch(self, messages: list[Message]) -> None:
+    async def _dispatch(self, messages: list[Message], epochs: list[int]) -> None:
+        """Decodes a polled batch, looks it up in the store, settles what is already stored and
+        starts a task for every document that still has work."""
+        try:
+            await self._dispatch_batch(messages, epochs)
+        finally:
+            self._incoming -= len(messages)
+
+    async def _dispatch_batch(self, messages: list[Message], epochs: list[int]) -> None:
         self.stats.messages += len(messages)
         value_format = self.pipeline.source.value_format
-        decoded: list[tuple[Document, Message, int]] = []
+        decoder, executor, stats, tracker = self.pipeline.decoder, self.executor, self.stats, self.tracker
+        decoded: list[tuple[Decoded, Message, int, list[str]]] = []
         bad: list[tuple[BadInput, Message, int]] = []
-        for message in messages:
-            epoch = self.tracker.dispatch(message.position)
+        for message, epoch in zip(messages, epochs, strict=True):
             try:
-                decoded.append((self.pipeline.decoder.decode(message, value_format), message, epoch))
+                doc = decoder.read(message, value_format)
             except BadInput as exc:
                 bad.append((exc, message, epoch))
-        keys = [self.executor.keys(doc) for doc, _, _ in decoded]
+            else:
+                decoded.append((doc, message, epoch, executor.keys(doc)))
+        if not self._with_outputs and decoded:
+            # Redeliveries first, without reading their rows: every stage stored for exactly its
+            # key. (With a when= predicate, which stages apply depends on stored outputs.)
+            expected = [(doc.tenant, doc.key, stage, key) for doc, _, _, doc_keys in decoded
+                        for stage, key in zip(executor.stage_names(doc.tenant), doc_keys, strict=True)]
+            unsettled = await self._store(self.store.unsettled, self.pipeline.name, expected)
+            rest = []
+            for item in decoded:
+                doc, message, epoch, doc_keys = item
+                if (doc.tenant, doc.key) in unsettled:
+                    rest.append(item)
+                else:  # nothing to call or write, only its position to commit
+                    stats.stage_runs += len(doc_keys)
+                    stats.stored_hits += len(doc_keys)
+                    tracker.complete(message, epoch)
+            decoded = rest
+        if not decoded and not bad:
+            return
         lookup = await self._store(
-            self.store.lookup, self.pipeline.name, [(d.tenant, d.key) for d, _, _ in decoded],
-            [key for doc_keys in keys for key in doc_keys],
-            [(m.position.stream, m.position.partition, m.position.offset) for _, m, _ in bad],
+            functools.partial(self.store.lookup, outputs=self._with_outputs), self.pipeline.name,
+            [(d.tenant, d.key) for d, _, _, _ in decoded], [key for _, _, _, doc_keys in decoded for key in doc_keys],
+            [(m.stream, m.partition, m.offset) for _, m, _ in bad],
         )
         for exc, message, epoch in bad:
             p = message.position
             outcome = DocumentOutcome(document=None)
-            if self.executor.retry_dead_letters or (p.stream, p.partition, p.offset) not in lookup.dead_positions:
+            if executor.retry_dead_letters or (p.stream, p.partition, p.offset) not in lookup.dead_positions:
                 outcome = DocumentOutcome(document=None, dead_letter=DeadLetter(
                     position=p, reason=exc.reason, detail=str(exc), payload=message.value))
                 log.warning("dead_letter", reason=exc.reason, stream=p.stream, partition=p.partition, offset=p.offset)
             self._done.append((outcome, _Pending(p, epoch, None, [])))
-            self.tracker.complete(p, epoch)
-        for (doc, message, epoch), doc_keys in zip(decoded, keys, strict=True):
+            tracker.complete(p, epoch)
+        for doc, message, epoch, doc_keys in decoded:
             ref = (doc.tenant, doc.key)
             live = self._live.get(ref)
             if live is not None and live[0] == doc.content_hash:
                 # The same document is already in flight or awaiting commit (a redelivery within
                 # this run): wait for it, then complete this position with nothing to write.
-                task = asyncio.create_task(self._after(live[1]))
-                self._tasks[task] = _Pending(message.position, epoch, None, [])
+                self._start(self._after(live[1]), _Pending(message.position, epoch, None, []))
                 continue
-            stored = self.executor.try_stored(doc, lookup, doc_keys)
-            if stored is not None:  # a redelivery: done without a task
-                self.stats.add(stored[1])
-                self._done.append((stored[0], _Pending(message.position, epoch, None, [])))
-                self.tracker.complete(message.position, epoch)
+            hits = executor.try_stored(doc, lookup, doc_keys)
+            if hits is not None:
+                # A redelivery: nothing to call or write, only its position to commit.
+                stats.stage_runs += hits
+                stats.stored_hits += hits
+                tracker.complete(message, epoch)
                 continue
-            task = asyncio.create_task(self.executor.run(doc, message.value, lookup, doc_keys))
-            self._tasks[task] = _Pending(message.position, epoch, ref, doc_keys, task)
-            self._live[ref] = (doc.content_hash, task)
-        self.stats.in_flight = len(self._tasks)
+            document = decoder.document(doc, message)
+            pending = _Pending(message.position, epoch, ref, doc_keys)
+            self._live[ref] = (doc.content_hash, self._start(
+                executor.run(document, message.value, lookup, doc_keys), pending))
+        stats.in_flight = len(self._tasks)
 
     async def _report(self, batch: Batch) -> None:
         assert self.metrics is not None  # noqa: S101

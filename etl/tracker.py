@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 from collections import deque
-
-from schemas import Position
+from typing import Protocol
 
 PartitionKey = tuple[str, int]
+
+
+class Located(Protocol):
+    """Where a message sits: a :class:`schemas.Position`, or the :class:`connectors.sources.Message` itself."""
+
+    @property
+    def stream(self) -> str: ...
+    @property
+    def partition(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
 
 
 class OffsetTracker:
@@ -22,26 +32,32 @@ class OffsetTracker:
         #: Bumped when a partition is forgotten, so work dispatched before cannot complete after.
         self._epoch: dict[PartitionKey, int] = {}
 
-    def dispatch(self, position: Position) -> int:
+    def dispatch(self, position: Located) -> int:
         """Records an offset as in flight and returns the token ``complete`` needs. Offsets of one
         partition must arrive in increasing order (until the partition is forgotten)."""
         key = (position.stream, position.partition)
-        self._dispatched.setdefault(key, deque()).append(position.offset)
+        queue = self._dispatched.get(key)
+        if queue is None:
+            queue = self._dispatched[key] = deque()
+        queue.append(position.offset)
         return self._epoch.get(key, 0)
 
-    def complete(self, position: Position, epoch: int = 0) -> None:
+    def complete(self, position: Located, epoch: int = 0) -> None:
         """Marks an offset finished; a no-op for work dispatched before its partition was forgotten."""
         key = (position.stream, position.partition)
-        if epoch != self._epoch.get(key, 0) or key not in self._dispatched:
+        queue = self._dispatched.get(key)
+        if queue is None or epoch != self._epoch.get(key, 0):
             return
-        done = self._done.setdefault(key, set())
-        done.add(position.offset)
-        queue = self._dispatched[key]
-        while queue and queue[0] in done:
-            offset = queue.popleft()
-            done.discard(offset)
-            self._next[key] = offset + 1
-            self._dirty.add(key)
+        if not queue or queue[0] != position.offset:
+            # Finished out of order: the watermark waits for the offsets before it.
+            self._done.setdefault(key, set()).add(position.offset)
+            return
+        offset = queue.popleft()
+        done = self._done.get(key)
+        while done and queue and queue[0] in done:
+            done.discard(offset := queue.popleft())
+        self._next[key] = offset + 1
+        self._dirty.add(key)
 
     def take_watermarks(self) -> dict[PartitionKey, int]:
         """Next offsets of the partitions that moved since the last call."""
@@ -56,6 +72,11 @@ class OffsetTracker:
             table.pop(key, None)  # type: ignore[attr-defined]
         self._dirty.discard(key)
         self._epoch[key] = self._epoch.get(key, 0) + 1
+
+    @property
+    def moved(self) -> bool:
+        """Whether a watermark moved since the last ``take_watermarks``."""
+        return bool(self._dirty)
 
     @property
     def in_flight(self) -> int:

@@ -29,14 +29,24 @@ class PartitionLedger(Protocol):
         """Partitions taken away: their in-flight work is abandoned, never committed by us."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Message:
-    """Raw bytes as the source delivered them, with the source's key and headers."""
+    """Raw bytes as the source delivered them, where they sit (``stream``, ``partition``,
+    ``offset``, as in :class:`Position`), and the source's key and headers. Read-only by convention:
+    not frozen, because a source makes one per message and a replay makes millions."""
 
     value: bytes
-    position: Position
+    stream: str
+    offset: int
+    partition: int = 0
     key: bytes | None = None
     headers: tuple[tuple[str, bytes], ...] = field(default=())
+
+    @property
+    def position(self) -> Position:
+        """Where the message sits, as the record the schemas carry (made when asked: a redelivery
+        that is already stored never needs one)."""
+        return Position(stream=self.stream, partition=self.partition, offset=self.offset)
 
 
 class Source(ABC):

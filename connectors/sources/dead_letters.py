@@ -9,7 +9,6 @@ from sqlalchemy import Engine, select
 
 from connectors.sources.base import Message, Source
 from connectors.store.tables import dead_letters
-from schemas import Position
 
 
 class DeadLetterSource(Source):
@@ -40,5 +39,5 @@ class DeadLetterSource(Source):
         if not found:
             return None
         self._after = found[-1].id
-        return [Message(value=bytes(r.payload), position=Position(stream=r.stream, partition=r.partition,
-                                                                 offset=r.message_offset)) for r in found]
+        return [Message(value=bytes(r.payload), stream=r.stream, partition=r.partition, offset=r.message_offset)
+                for r in found]

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from connectors.sources.base import Message, Source
-from schemas import Position
 
 
 class _IteratorSource(Source):
@@ -25,6 +24,8 @@ class _IteratorSource(Source):
         raise NotImplementedError
 
     def poll(self, max_records: int, timeout_s: float) -> list[Message] | None:
+        if max_records == 0:
+            return []
         if self._it is None:
             self._it = self._messages()
         batch: list[Message] = []
@@ -32,7 +33,7 @@ class _IteratorSource(Source):
             batch.append(message)
             if len(batch) >= max_records:
                 break
-        if not batch and max_records > 0:
+        if not batch:
             return None
         return batch
 
@@ -66,7 +67,7 @@ class JsonlSource(_IteratorSource):
         with self.path.open("rb") as f:
             for number, line in enumerate(f):
                 if line.strip():
-                    yield Message(value=line.rstrip(b"\r\n"), position=Position(stream=self.name, offset=number))
+                    yield Message(value=line.rstrip(b"\r\n"), stream=self.name, offset=number)
 
 
 class DirectorySource(_IteratorSource):
@@ -91,7 +92,7 @@ class DirectorySource(_IteratorSource):
         files = sorted(p for p in self.path.glob(self.pattern) if p.is_file())
         for number, file in enumerate(files):
             key = file.relative_to(self.path).as_posix()
-            yield Message(value=file.read_bytes(), key=key.encode(), position=Position(stream=self.name, offset=number))
+            yield Message(value=file.read_bytes(), key=key.encode(), stream=self.name, offset=number)
 
 
 class ListSource(_IteratorSource):
@@ -112,7 +113,7 @@ class ListSource(_IteratorSource):
                 value = item.encode()
             else:
                 value = item
-            yield Message(value=value, position=Position(stream=self.name, offset=number))
+            yield Message(value=value, stream=self.name, offset=number)
 
 
 def source_for_path(path: str | Path) -> Source:

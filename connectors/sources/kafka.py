@@ -20,7 +20,7 @@ from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
 from connectors.sources.base import Message, PartitionKey, PartitionLedger, Source
-from schemas import DeadLetter, Position
+from schemas import DeadLetter
 
 log = structlog.get_logger("connectors.kafka")
 
@@ -143,6 +143,8 @@ class KafkaSource(Source):
         if self._paused:
             consumer.resume(*consumer.paused())
             self._paused = False
+        if self._replayed():
+            return None
         try:
             self._last_poll = time.monotonic()
             batch = consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
@@ -153,17 +155,22 @@ class KafkaSource(Source):
             Message(
                 value=record.value if record.value is not None else b"",
                 key=record.key,
-                headers=tuple((k, v or b"") for k, v in (record.headers or [])),
-                position=Position(stream=record.topic, partition=record.partition, offset=record.offset),
+                headers=tuple((k, v or b"") for k, v in record.headers) if record.headers else (),
+                stream=record.topic,
+                partition=record.partition,
+                offset=record.offset,
             )
             for records in batch.values()
             for record in records
         ]
-        if not messages and self._end is not None and all(
-            consumer.position(tp) >= end for tp, end in self._end.items()
-        ):
-            return None
         return messages
+
+    def _replayed(self) -> bool:
+        """A replay that has read every partition up to its end offsets (checked before polling, so
+        the last poll does not wait out its timeout for messages that will not come)."""
+        consumer = self.consumer
+        assert consumer is not None
+        return self._end is not None and all(consumer.position(tp) >= end for tp, end in self._end.items())
 
     def commit(self, positions: Mapping[PartitionKey, int]) -> None:
         if self.group is None or self.replay_from is not None or self.consumer is None or not positions:

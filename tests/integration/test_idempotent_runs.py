@@ -180,3 +180,46 @@ async def test_results_do_not_depend_on_concurrency(in_flight: int, sqlite_url: 
     await runner.run()
     assert rows(sqlite_url, "SELECT count(DISTINCT doc_key) FROM stage_results WHERE stage = 'kind'")[0][0] == 150
     assert rows(sqlite_url, "SELECT next_offset FROM source_positions") == [(150,)]
+
+
+async def test_without_when_redeliveries_are_settled_in_the_store(store_url: str) -> None:
+    """A pipeline without when= asks the store which documents are not settled (on PostgreSQL the
+    database compares the keys and returns only those): a second run is free, a quarantined
+    document stays a no-op, an edited text is new work."""
+    from connectors.store import SqlStore, Store  # noqa: PLC0415
+    from etl.testing import schema_answer  # noqa: PLC0415
+
+    docs = [*corpus(40), {"id": "poison", "tenant": "acme", "text": "poison pill"}]
+
+    def answer(request: Any) -> Any:
+        return "no json here" if "poison" in json.dumps(request.messages) else schema_answer(request)
+
+    def flat(items: list[dict[str, str]]) -> Pipeline:
+        return Pipeline("flat", ListSource(items), [Classify(LABELS, "What kind?", name="kind")], store=store_url)
+
+    first = await run_pipeline(flat(docs), llm=FakeLLM(answer))
+    assert (first.results_written, first.dead_letters) == (40, 1)
+    before = counts(store_url)
+    again = FakeLLM(answer)
+    stats = await run_pipeline(flat(docs), llm=again)
+    assert again.calls == [] and counts(store_url) == before and stats.stored_hits == 41
+
+    store = SqlStore(store_url)
+    (tenant, key, stage, cache_key), *_ = rows(store_url, "SELECT tenant, doc_key, stage, cache_key FROM stage_results "
+                                                          "WHERE doc_key = 'doc-0003'")
+    poison_key = rows(store_url, "SELECT cache_key FROM dead_letters")[0][0]
+    expected = [
+        (tenant, key, stage, cache_key),            # stored for exactly this key: settled
+        ("acme", key, stage, cache_key),            # the same key under another tenant: not stored
+        (tenant, "doc-0005", stage, cache_key),     # another document's key: not this content
+        (tenant, "nobody", stage, cache_key),       # never seen
+        ("acme", "poison", stage, poison_key),      # an open dead letter
+    ]
+    assert tenant != "acme"
+    unsettled = {("acme", key), (tenant, "doc-0005"), (tenant, "nobody"), ("acme", "poison")}
+    assert store.unsettled("flat", expected) == Store.unsettled(store, "flat", expected) == unsettled
+
+    edited = [dict(d, text=d["text"] + " (edited)") if d["id"] in ("doc-0001", "doc-0002") else d for d in docs]
+    third = FakeLLM(answer)
+    await run_pipeline(flat(edited), llm=third)
+    assert len(third.calls) == 2

@@ -15,7 +15,7 @@ POS = Position(stream="t", partition=2, offset=7)
 
 def msg(value: bytes | dict, key: bytes | None = None, headers: tuple = ()) -> Message:
     raw = json.dumps(value).encode() if isinstance(value, dict) else value
-    return Message(value=raw, position=POS, key=key, headers=headers)
+    return Message(value=raw, stream=POS.stream, partition=POS.partition, offset=POS.offset, key=key, headers=headers)
 
 
 def test_json_message_becomes_a_document() -> None:

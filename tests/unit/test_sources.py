@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from connectors.sources import DirectorySource, JsonlSource
+from connectors.sources import DirectorySource, JsonlSource, ListSource
 from etl import SourceError
 
 
@@ -38,3 +38,13 @@ def test_missing_input_is_a_clear_error(tmp_path: Path) -> None:
         JsonlSource(tmp_path / "nope.jsonl").open(lambda s, p: None)
     with pytest.raises(SourceError, match="not a directory"):
         DirectorySource(tmp_path / "nope").open(lambda s, p: None)
+
+
+def test_a_full_runner_is_delivered_nothing_and_nothing_is_skipped() -> None:
+    """``poll(0, ...)`` means the runner is full: no message may come back (it would not be
+    dispatched, and the watermark could move past it)."""
+    source = ListSource([{"text": "a"}, {"text": "b"}])
+    source.open(lambda s, p: None)
+    assert source.poll(0, 0) == []
+    assert [m.position.offset for m in source.poll(5, 0) or []] == [0, 1]
+    assert source.poll(5, 0) is None
