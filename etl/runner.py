@@ -151,6 +151,9 @@ class Runner:
         self._batch = max(1, self.max_in_flight // 2)
         #: Messages polled and still queued, decoded or looked up (in flight too).
         self._incoming = 0
+        #: Whether the last batch was mostly documents already stored (then the next is checked
+        #: with ``Store.unsettled`` before anything else is looked up).
+        self._mostly_redeliveries = True
         #: Stored outputs are read only when a when= predicate may need them.
         self._with_outputs = any(stage.when is not None for stages in (pipeline.stages, *pipeline.tenant_stages.values())
                                  for stage in stages)
@@ -239,16 +242,6 @@ class Runner:
                     flushing = None
                 while self._completed:
                     self._finish(self._completed.popleft())
-                if polling is None and not exhausted and not self._stopping:
-                    # In flight = polled and not yet committed, so a crash loses at most this much.
-                    # Batches of at most half the window, so the next poll runs while the batch
-                    # before it is looked up in the store; when full, an empty poll now and then
-                    # keeps the group membership alive.
-                    room = self.max_in_flight - len(self._tasks) - len(self._done) - self._incoming
-                    if room > 0 or time.perf_counter() - last_keepalive >= 1.0:
-                        polling = self._watch(asyncio.ensure_future(self._source(
-                            source.poll, min(max(room, 0), self._batch), self.poll_timeout_s if room > 0 else 0.0)))
-                        last_keepalive = time.perf_counter()
                 if polling is not None and polling.done():
                     messages = polling.result()
                     polling = None
@@ -262,7 +255,7 @@ class Runner:
                         # looked up one batch at a time.
                         self._queued.append((messages, [self.tracker.dispatch(m) for m in messages]))
                         self._incoming += len(messages)
-                    elif (self.idle_stop_s is not None and not self._tasks and dispatching is None
+                    elif (self.idle_stop_s is not None and not self._tasks and dispatching is None and not self._queued
                           and time.perf_counter() - last_message >= self.idle_stop_s):
                         exhausted = True  # an endless source that has gone quiet: stop, as asked
                 if dispatching is not None and dispatching.done():
@@ -270,6 +263,16 @@ class Runner:
                     dispatching = None
                 if dispatching is None and self._queued:
                     dispatching = self._watch(asyncio.create_task(self._dispatch(*self._queued.popleft())))
+                if polling is None and not exhausted and not self._stopping:
+                    # In flight = polled and not yet committed, so a crash loses at most this much.
+                    # Batches of at most half the window, so the next poll runs while the batch
+                    # before it is looked up in the store; when full, an empty poll now and then
+                    # keeps the group membership alive.
+                    room = self.max_in_flight - len(self._tasks) - len(self._done) - self._incoming
+                    if room > 0 or time.perf_counter() - last_keepalive >= 1.0:
+                        polling = self._watch(asyncio.ensure_future(self._source(
+                            source.poll, min(max(room, 0), self._batch), self.poll_timeout_s if room > 0 else 0.0)))
+                        last_keepalive = time.perf_counter()
                 if ((exhausted or self._stopping) and not self._tasks and polling is None and dispatching is None
                         and not self._queued):
                     if flushing is not None:
@@ -325,9 +328,11 @@ class Runner:
                 bad.append((exc, message, epoch))
             else:
                 decoded.append((doc, message, epoch, executor.keys(doc)))
-        if not self._with_outputs and decoded:
+        documents, settled = len(decoded), 0
+        if decoded and self._mostly_redeliveries and not self._with_outputs:
             # Redeliveries first, without reading their rows: every stage stored for exactly its
-            # key. (With a when= predicate, which stages apply depends on stored outputs.)
+            # key. (With a when= predicate, which stages apply depends on stored outputs.) Worth a
+            # round trip only while most documents turn out stored, as in a replay.
             expected = [(doc.tenant, doc.key, stage, key) for doc, _, _, doc_keys in decoded
                         for stage, key in zip(executor.stage_names(doc.tenant), doc_keys, strict=True)]
             unsettled = await self._store(self.store.unsettled, self.pipeline.name, expected)
@@ -337,10 +342,12 @@ class Runner:
                 if (doc.tenant, doc.key) in unsettled:
                     rest.append(item)
                 else:  # nothing to call or write, only its position to commit
+                    settled += 1
                     stats.stage_runs += len(doc_keys)
                     stats.stored_hits += len(doc_keys)
                     tracker.complete(message, epoch)
             decoded = rest
+        self._mostly_redeliveries = settled * 2 >= documents
         if not decoded and not bad:
             return
         lookup = await self._store(
@@ -368,6 +375,8 @@ class Runner:
             hits = executor.try_stored(doc, lookup, doc_keys)
             if hits is not None:
                 # A redelivery: nothing to call or write, only its position to commit.
+                settled += 1
+                self._mostly_redeliveries = settled * 2 >= documents
                 stats.stage_runs += hits
                 stats.stored_hits += hits
                 tracker.complete(message, epoch)
