@@ -301,23 +301,39 @@ def constrained_figures() -> list[Figure]:
     requests = [LLMRequest(stage.render(Document(tenant="t", key=r["id"], content=r["text"], content_hash="-",
                                                   position=Position(stream="s", offset=0))),
                            stage.llm_schema(), max_tokens=96) for r in receipts]
+    import llama_cpp  # noqa: PLC0415
+
     llm.generate_sync(requests[0])  # load the model and build the constraint's index outside the timing
-    ratios = []
+    context = llm._llama._ctx.ctx  # noqa: SLF001 - llama.cpp's own counters tell prompt time apart
+    ratios, whole_ratios = [], []
     for r in range(RUNS):
-        rates = {}
+        rates, whole = {}, {}
         for constrained in (True, False) if r % 2 == 0 else (False, True):
-            tokens = seconds = 0.0
+            tokens = seconds = prompt_s = 0.0
             for request in requests:
                 llm._llama.reset()  # noqa: SLF001 - no prompt-cache advantage for either side
+                llama_cpp.llama_perf_context_reset(context)
                 started = time.perf_counter()
                 response = llm.generate_sync(request, constrained=constrained)
                 seconds += time.perf_counter() - started
+                prompt_s += llama_cpp.llama_perf_context(context).t_p_eval_ms / 1000
                 tokens += response.tokens_out
-            rates[constrained] = tokens / seconds
+            # Generation speed: wall time minus the prompt's evaluation, which is the same work on
+            # both sides (and would otherwise count against whichever side writes fewer tokens).
+            rates[constrained] = tokens / (seconds - prompt_s)
+            whole[constrained] = tokens / seconds
         ratios.append(rates[True] / rates[False])
-        log(f"constrained run {r}: {rates[True]:.1f} vs {rates[False]:.1f} tokens/s")
-    return [summary("SmolLM2-135M tokens/s: outlines-constrained ÷ unconstrained llama.cpp", ratios, "≥ 0.8",
-                    met=lambda v: v >= 0.8, note="5 SROIE receipts, Receipt schema, max 96 tokens, greedy")]
+        whole_ratios.append(whole[True] / whole[False])
+        log(f"constrained run {r}: generation {rates[True]:.1f} vs {rates[False]:.1f} tokens/s; "
+            f"with the prompt {whole[True]:.1f} vs {whole[False]:.1f}")
+    return [
+        summary("SmolLM2-135M generation tokens/s: outlines-constrained ÷ unconstrained llama.cpp", ratios, "≥ 0.8",
+                met=lambda v: v >= 0.8,
+                note="5 SROIE receipts, Receipt schema, max 96 tokens, greedy; wall time per generated token, "
+                     "prompt evaluation (llama.cpp's own counter) excluded"),
+        summary("  same, prompt evaluation included (constrained answers are shorter: ~64 vs 96 tokens)",
+                whole_ratios, ""),
+    ]
 
 
 def memory_figures(n: int = 200_000) -> list[Figure]:

@@ -134,7 +134,7 @@ def _members(conn: Connection, values: list[Any], *columns: ColumnElement[Any]) 
 
 
 #: See ``SqlStore.unsettled``: (tenant, doc key, stage, cache key) rows with no stored result for
-#: exactly that key, and documents with an open dead letter. Both are probes of unique indexes.
+#: exactly that key, and documents with an open dead letter; index probes by (pipeline, doc key).
 _UNSETTLED = text("""
 WITH expected AS (
     SELECT e->>0 AS tenant, e->>1 AS doc_key, e->>2 AS stage, e->>3 AS cache_key
@@ -238,11 +238,10 @@ class SqlStore(Store, Claims):
         """Claims what it can of ``keys`` in one transaction; a key already cached is not claimed
         (whoever asks should read the cache), so a claim never outlives its result."""
         now = time.time()
+        if not keys:
+            return set()
         with self.engine.begin() as conn:
-            cached = set(conn.execute(select(llm_cache.c.cache_key).where(llm_cache.c.cache_key.in_(keys))).scalars())
-            wanted = [{"cache_key": k, "owner": owner, "expires_at": now + lease_s} for k in keys if k not in cached]
-            if not wanted:
-                return set()
+            wanted = [{"cache_key": k, "owner": owner, "expires_at": now + lease_s} for k in keys]
             stmt = self._insert(llm_claims)
             stmt = stmt.on_conflict_do_update(
                 index_elements=["cache_key"],
@@ -250,8 +249,9 @@ class SqlStore(Store, Claims):
                 where=(llm_claims.c.expires_at < now) | (llm_claims.c.owner == owner),
             ).returning(llm_claims.c.cache_key)
             claimed = set(conn.execute(stmt, wanted).scalars())
-            # A holder may have committed its result (and dropped its claim) between the first look
-            # and the insert; this statement sees that commit, so such a claim is given back.
+            # The key may be cached already (the caller looked before this batch), or a holder may
+            # have committed its result (and dropped its claim) just before the insert; this later
+            # statement sees that commit, so such a claim is given back.
             late = set(conn.execute(select(llm_cache.c.cache_key).where(llm_cache.c.cache_key.in_(claimed))).scalars()) \
                 if claimed else set()
             if late:

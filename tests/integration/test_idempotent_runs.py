@@ -223,3 +223,16 @@ async def test_without_when_redeliveries_are_settled_in_the_store(store_url: str
     third = FakeLLM(answer)
     await run_pipeline(flat(edited), llm=third)
     assert len(third.calls) == 2
+
+
+async def test_a_cached_key_is_never_claimed(store_url: str) -> None:
+    """Whoever asks to claim a key whose output is already stored must read the cache instead: the
+    claim is refused and leaves no row behind (it would block other workers for a whole lease)."""
+    from connectors.store import SqlStore  # noqa: PLC0415
+
+    await run_pipeline(Pipeline("c", ListSource(corpus(3)), [Classify(LABELS, name="kind")], store=store_url),
+                       llm=FakeLLM())
+    cached = [key for (key,) in rows(store_url, "SELECT cache_key FROM llm_cache")]
+    store = SqlStore(store_url)
+    assert store.claim_many([*cached, "f" * 64], "worker-a", 30) == {"f" * 64}
+    assert rows(store_url, "SELECT cache_key, owner FROM llm_claims") == [("f" * 64, "worker-a")]
