@@ -143,9 +143,9 @@ class KafkaSource(Source):
         if self._paused:
             consumer.resume(*consumer.paused())
             self._paused = False
-        if self._replayed():
-            return None
         try:
+            if self._replayed():
+                return None
             self._last_poll = time.monotonic()
             batch = consumer.poll(timeout_ms=int(timeout_s * 1000), max_records=max_records)
         except KafkaError as exc:
