@@ -321,7 +321,7 @@ class Runner:
     async def _dispatch_batch(self, messages: list[Message], epochs: list[int]) -> None:
         self.stats.messages += len(messages)
         value_format = self.pipeline.source.value_format
-        decoder, executor, stats, tracker = self.pipeline.decoder, self.executor, self.stats, self.tracker
+        decoder, executor = self.pipeline.decoder, self.executor
         decoded: list[tuple[Decoded, Message, int, list[str]]] = []
         bad: list[tuple[BadInput, Message, int]] = []
         for message, epoch in zip(messages, epochs, strict=True):
@@ -344,11 +344,9 @@ class Runner:
                 doc, message, epoch, doc_keys = item
                 if (doc.tenant, doc.key) in unsettled:
                     rest.append(item)
-                else:  # nothing to call or write, only its position to commit
+                else:
                     settled += 1
-                    stats.stage_runs += len(doc_keys)
-                    stats.stored_hits += len(doc_keys)
-                    tracker.complete(message, epoch)
+                    self._settle(message, epoch, len(doc_keys))
             decoded = rest
         self._mostly_redeliveries = settled * 2 >= documents
         if not decoded and not bad:
@@ -366,7 +364,7 @@ class Runner:
                     position=p, reason=exc.reason, detail=str(exc), payload=message.value))
                 log.warning("dead_letter", reason=exc.reason, stream=p.stream, partition=p.partition, offset=p.offset)
             self._done.append((outcome, _Pending(p, epoch, None, [])))
-            tracker.complete(p, epoch)
+            self.tracker.complete(p, epoch)
         for doc, message, epoch, doc_keys in decoded:
             ref = (doc.tenant, doc.key)
             live = self._live.get(ref)
@@ -377,18 +375,21 @@ class Runner:
                 continue
             hits = executor.try_stored(doc, lookup, doc_keys)
             if hits is not None:
-                # A redelivery: nothing to call or write, only its position to commit.
                 settled += 1
-                self._mostly_redeliveries = settled * 2 >= documents
-                stats.stage_runs += hits
-                stats.stored_hits += hits
-                tracker.complete(message, epoch)
+                self._settle(message, epoch, hits)
                 continue
             document = decoder.document(doc, message)
             pending = _Pending(message.position, epoch, ref, doc_keys, slot=True)
             self._live[ref] = (doc.content_hash, self._start(
                 self._work(document, message.value, lookup, doc_keys), pending))
-        stats.in_flight = len(self._tasks)
+        self._mostly_redeliveries = settled * 2 >= documents
+        self.stats.in_flight = len(self._tasks)
+
+    def _settle(self, message: Message, epoch: int, stage_runs: int) -> None:
+        """A redelivery already stored: nothing to call or write, only its position to commit."""
+        self.stats.stage_runs += stage_runs
+        self.stats.stored_hits += stage_runs
+        self.tracker.complete(message, epoch)
 
     async def _report(self, batch: Batch) -> None:
         assert self.metrics is not None  # noqa: S101

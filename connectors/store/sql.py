@@ -113,9 +113,9 @@ def upsert(conn: Connection, table: Table, rows: list[dict[str, Any]], keys: Seq
     conn.execute(stmt, rows)
 
 
-def _chunks(items: list[Any]) -> Iterable[list[Any]]:
-    for start in range(0, len(items), _CHUNK):
-        yield items[start : start + _CHUNK]
+def _chunks(items: list[Any], size: int = _CHUNK) -> Iterable[list[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
 
 
 def _members(conn: Connection, values: list[Any], *columns: ColumnElement[Any]) -> Iterator[list[ColumnElement[bool]]]:
@@ -128,8 +128,7 @@ def _members(conn: Connection, values: list[Any], *columns: ColumnElement[Any]) 
         values_param = bindparam("members", values, type_=postgresql.ARRAY(columns[0].type))
         yield [column == any_(values_param) for column in columns]
         return
-    for start in range(0, len(values), _CHUNK // len(columns)):
-        chunk = values[start : start + _CHUNK // len(columns)]
+    for chunk in _chunks(values, _CHUNK // len(columns)):
         yield [column.in_(chunk) for column in columns]
 
 
