@@ -1,7 +1,16 @@
 """Hashing and idempotency: content hashes, stage fingerprints, cache keys, single-flight."""
 
 from dedup.claims import Claims
-from dedup.hashing import cache_key, cache_keys, canonical_json, content_hash, normalize_content, sha256_hex, stage_fingerprint
+from dedup.hashing import (
+    cache_key,
+    cache_keys,
+    canonical_json,
+    code_digest,
+    content_hash,
+    normalize_content,
+    sha256_hex,
+    stage_fingerprint,
+)
 from dedup.singleflight import SingleFlight
 
 __all__ = [
@@ -10,6 +19,7 @@ __all__ = [
     "cache_key",
     "cache_keys",
     "canonical_json",
+    "code_digest",
     "content_hash",
     "normalize_content",
     "sha256_hex",

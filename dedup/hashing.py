@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
+import textwrap
 import unicodedata
 from collections.abc import Sequence
 from typing import Any
@@ -83,3 +85,17 @@ def stage_fingerprint(spec: dict[str, Any]) -> str:
     fingerprint changes; anything left out of ``spec`` cannot change it.
     """
     return sha256_hex(canonical_json(spec))
+
+
+def code_digest(fn: Any) -> str:
+    """sha256 of a function's source text (dedented), so editing its body changes every fingerprint
+    it is part of; of its bytecode and constants when no source can be read (compiled, or typed at a
+    prompt), which is stable within one Python version only."""
+    fn = inspect.unwrap(getattr(fn, "__func__", fn))
+    try:
+        return sha256_hex(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError):
+        code = getattr(fn, "__code__", None)
+        if code is None:
+            return sha256_hex(f"{type(fn).__module__}.{type(fn).__qualname__}")
+        return sha256_hex(code.co_code + repr(code.co_consts).encode())

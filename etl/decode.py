@@ -12,7 +12,21 @@ from pydantic import BaseModel, ConfigDict, Field
 from connectors.sources import Message
 from dedup import normalize_content, sha256_hex
 from etl.errors import BadInput
+from etl.storable import text_problem
 from schemas import Document
+
+#: Longest tenant and document key the store holds (``documents.tenant``, ``documents.doc_key``).
+MAX_TENANT = 200
+MAX_KEY = 500
+
+
+def _checked(what: str, value: str, limit: int | None = None) -> str:
+    """``value`` if the store can hold it as ``what``; raises BadInput otherwise."""
+    if (problem := text_problem(value)) is not None:
+        raise BadInput(f"{what} {problem}")
+    if limit is not None and len(value) > limit:
+        raise BadInput(f"{what} is {len(value)} characters, over the {limit}-character limit")
+    return value
 
 
 class Decoded(NamedTuple):
@@ -34,6 +48,12 @@ class Decoder(BaseModel):
     ``"field:<name>"``, ``"header:<name>"`` or ``"key"``. Text messages (a directory of files) are the
     content themselves. Without a tenant the message goes to ``default_tenant``; set that to None to
     dead-letter such messages instead.
+
+    Keys are typed so that two documents never share one by accident: with ``key_type="str"`` (the
+    default) the key field must hold a string, with ``"int"`` an integer (stored as its decimal
+    text); the other type is bad input, so ``1`` and ``"1"`` can never collapse into one document.
+    A tenant field must hold a string. Tenants (up to 200 characters), keys (up to 500) and the
+    content must be text the store can hold: no NUL, no lone surrogate.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -43,6 +63,7 @@ class Decoder(BaseModel):
     tenant_from: str = Field(default="field:tenant", pattern=r"^(field:.+|header:.+|key)$")
     default_tenant: str | None = "default"
     max_bytes: int = Field(default=1_000_000, gt=0)
+    key_type: Literal["str", "int"] = "str"
 
     def decode(self, message: Message, value_format: Literal["json", "text"]) -> Document:
         """Raises BadInput with a one-line reason; the caller dead-letters the original bytes."""
@@ -63,6 +84,8 @@ class Decoder(BaseModel):
                 fields = json.loads(text)
             except json.JSONDecodeError as exc:
                 raise BadInput(f"not valid JSON: {exc.msg} at column {exc.colno}") from exc
+            except RecursionError:
+                raise BadInput("JSON nested too deeply to decode") from None
             if not isinstance(fields, dict):
                 raise BadInput(f"expected a JSON object, got {type(fields).__name__}")
             content = fields.get(self.content_field)
@@ -72,17 +95,32 @@ class Decoder(BaseModel):
             content = text
             if not content or content.isspace():
                 raise BadInput("empty document")
-        key = fields.get(self.key_field)
-        if key is None and message.key is not None:
-            key = message.key.decode("utf-8", errors="replace")
-        if key is None:
-            key = f"{message.stream}:{message.partition}:{message.offset}"
+        key = self._key(message, fields)
         tenant = self._tenant(message, fields)
         if tenant is None:
             raise BadInput(f"no tenant ({self.tenant_from}) and no default tenant is configured")
         fields.pop(self.content_field, None)  # the content travels on its own
-        content = normalize_content(content)
-        return Decoded(tenant, str(key), content, sha256_hex(content), fields)  # content_hash, normalized once
+        content = normalize_content(_checked("the content", content))
+        return Decoded(_checked("the tenant", tenant, MAX_TENANT), _checked("the document key", key, MAX_KEY),
+                       content, sha256_hex(content), fields)  # content_hash, normalized once
+
+    def _key(self, message: Message, fields: dict[str, Any]) -> str:
+        key = fields.get(self.key_field)
+        if key is None:
+            if message.key is not None:
+                return message.key.decode("utf-8", errors="replace")
+            return f"{message.stream}:{message.partition}:{message.offset}"
+        if self.key_type == "int":
+            if type(key) is not int:
+                raise BadInput(f"field {self.key_field!r} must be an integer (key_type='int'), "
+                               f"got {type(key).__name__}")
+            return str(key)
+        if not isinstance(key, str):
+            raise BadInput(f"field {self.key_field!r} must be a string, got {type(key).__name__} "
+                           f"(it would collide with the string form; Decoder(key_type='int') takes integer ids)")
+        if not key.strip():
+            raise BadInput(f"field {self.key_field!r} is empty")
+        return key
 
     @staticmethod
     def document(decoded: Decoded, message: Message) -> Document:
@@ -113,4 +151,6 @@ class Decoder(BaseModel):
             value = message.key.decode("utf-8", errors="replace")
         if value is None or (isinstance(value, str) and not value.strip()):
             return self.default_tenant
-        return str(value)
+        if not isinstance(value, str):
+            raise BadInput(f"the tenant must be a string, got {type(value).__name__}")
+        return value

@@ -5,6 +5,7 @@ EtlError                       retryable=False  the root; catch this to catch ou
 ├── ConfigError                                 a pipeline or setting a user must fix
 ├── SourceError                                 input cannot be read at all (missing file, broker gone)
 ├── BadInput                   reason=bad_input one message cannot be decoded → dead letter
+├── StageError               reason=stage_error  user code of a stage (when=, a validator) raised
 ├── StoreError                                  the database refused or is unreachable
 └── LLMError                 reason=provider_error   a model call failed (4xx other than below)
     ├── BudgetExceeded         reason=budget_exceeded  a tenant's token budget is spent
@@ -50,6 +51,13 @@ class BadInput(EtlError):
     """One message cannot become a Document (bad UTF-8, bad JSON, no content, no tenant, too large)."""
 
     reason = "bad_input"
+
+
+class StageError(EtlError):
+    """User code inside a stage (a ``when=`` predicate, a validator) raised: that document's dead
+    letter, never the run's end."""
+
+    reason = "stage_error"
 
 
 class StoreError(EtlError):

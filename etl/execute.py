@@ -27,7 +27,7 @@ from tenacity import (
 from connectors.store import CacheEntry, DocumentOutcome, Lookup
 from dedup import SingleFlight, cache_key, cache_keys, canonical_json, sha256_hex, stage_fingerprint
 from etl.decode import Decoded
-from etl.errors import BudgetExceeded, EtlError, LLMError, OutputError, SchemaInvalid, SemanticInvalid
+from etl.errors import BudgetExceeded, EtlError, LLMError, OutputError, SchemaInvalid, SemanticInvalid, StageError
 from etl.llm.base import LLM, LLMRequest, LLMResponse
 from etl.log import get_logger
 from etl.stages import Extract, Stage
@@ -57,8 +57,9 @@ class StagePlan:
     llm: LLM
 
     @classmethod
-    def of(cls, stage: Stage, llm: LLM) -> StagePlan:
-        spec = {**stage.spec(), "model": llm.model_id, "params": llm.params}
+    def of(cls, stage: Stage, llm: LLM, repairs: int = 1) -> StagePlan:
+        """``repairs``: re-asks after an invalid answer, which decide what ends up valid."""
+        spec = {**stage.spec(), "model": llm.model_id, "params": llm.params, "repairs": repairs}
         return cls(
             stage=stage,
             llm=llm,
@@ -153,8 +154,8 @@ class Executor:
         return about
 
     def try_stored(self, document: Decoded | Document, lookup: Lookup, keys: Sequence[str]) -> int | None:
-        """The redelivery fast path, without a task, an await or a Document: when every stage that
-        applies is already stored (or already dead-lettered) for this exact key, the number of stage
+        """The redelivery fast path, without a task, an await or a Document: when exactly the stages
+        that apply are stored (or already dead-lettered) for this exact key, the number of stage
         runs so served, with nothing to call or write; else None (``run`` takes it from there)."""
         tenant, doc_key = ref = (document.tenant, document.key)
         plans = self.plans_for(tenant)
@@ -170,12 +171,14 @@ class Executor:
         outputs: dict[str, BaseModel] = {}
         for plan, key in zip(plans, keys, strict=True):
             stage = plan.stage
+            stored = lookup.results.get((*ref, stage.name))
             try:
                 if not stage.applies(outputs):
+                    if stored is not None:
+                        return None  # a result that no longer applies: run() removes it
                     continue
             except Exception:  # noqa: BLE001 - run() turns it into a dead letter
                 return None
-            stored = lookup.results.get((*ref, stage.name))
             dead = key in lookup.dead.get(ref, ()) and not self.retry_dead_letters
             if (stored is None or stored[0] != key) and not dead:
                 return None
@@ -183,55 +186,82 @@ class Executor:
             if dead:
                 return hits
             if needs_outputs:
-                outputs[stage.name] = stage.output_model.model_validate(stored[1])  # type: ignore[index]
+                output = _revalidated(stage, stored[1])  # type: ignore[index]
+                if output is None:
+                    return None
+                outputs[stage.name] = output
         return None if ref in lookup.dead else hits
 
     async def run(self, document: Document, payload: bytes, lookup: Lookup,
                   keys: Sequence[str]) -> tuple[DocumentOutcome, Tally]:
-        """All stages for one document; ``keys`` are its cache keys, one per plan (see ``keys``)."""
+        """All stages for one document; ``keys`` are its cache keys, one per plan (see ``keys``).
+        Whatever goes wrong with this document or its answers ends as its dead letter."""
         tally = Tally()
+        work = _Work()
+        try:
+            return await self._run(document, payload, lookup, keys, tally, work), tally
+        except Exception as exc:  # noqa: BLE001 - one document can never stop a run (invariant 7)
+            log.warning("stage_failed", reason="stage_error", tenant=document.tenant, doc_key=document.key,
+                        error=type(exc).__name__)
+            return self._dead(document, payload, work.stage, work.key, "stage_error",
+                              f"{type(exc).__name__}: {str(exc)[:300]}", None, work,
+                              self._settles(document, lookup)), tally
+
+    def _settles(self, document: Document, lookup: Lookup) -> bool:
+        return self.retry_dead_letters or (document.tenant, document.key) in lookup.dead
+
+    async def _run(self, document: Document, payload: bytes, lookup: Lookup, keys: Sequence[str], tally: Tally,
+                   work: _Work) -> DocumentOutcome:
         outputs: dict[str, BaseModel] = {}
-        results: list[StageResult] = []
-        typed: list[tuple[str, dict[str, Any]]] = []
-        calls: list[CallRecord] = []
-        cache: list[CacheEntry] = []
         ref = (document.tenant, document.key)
-        reviews: list[tuple[str, dict[str, Any], str]] = []
-        for plan, key in zip(self.plans_for(document.tenant), keys, strict=True):
+        settles = self._settles(document, lookup)
+        stored_stages = 0  # stages stored before whose results this version keeps
+        plans = self.plans_for(document.tenant)
+        for plan, key in zip(plans, keys, strict=True):
             stage = plan.stage
+            work.stage, work.key = stage.name, key
+            stored = lookup.results.get((*ref, stage.name))
             try:
                 applies = stage.applies(outputs)
             except Exception as exc:  # user code in when=; its failure must not stop the run
                 return self._dead(document, payload, stage.name, None, "stage_error",
-                                  f"when= raised {type(exc).__name__}: {exc}", None, results, typed, calls, cache), tally
+                                  f"when= raised {type(exc).__name__}: {exc}", None, work, settles)
             if not applies:
                 continue
             tally.stage_runs += 1
-            stored = lookup.results.get((*ref, stage.name))
-            if stored is not None and stored[0] == key:
+            if stored is not None and stored[0] == key and (
+                    stored[1] is None or (reused := _revalidated(stage, stored[1])) is not None):
                 # Redelivery: this exact result is already committed. Nothing to call or write.
                 tally.stored_hits += 1
+                stored_stages += 1
+                work.stages.append(stage.name)
                 if stored[1] is not None:  # outputs are looked up whenever a when= predicate may read them
-                    outputs[stage.name] = stage.output_model.model_validate(stored[1])
+                    outputs[stage.name] = reused
                 continue
             if key in lookup.dead.get(ref, ()) and not self.retry_dead_letters:
                 # Already ended as a dead letter for this content and fingerprint: a no-op too.
                 tally.stored_hits += 1
-                return DocumentOutcome(document=None), tally
+                return DocumentOutcome(document=None)
             entry = lookup.cache.get(key)
+            # A cached answer the stage's checks now refuse is asked again (without claims: a cached
+            # key cannot be claimed); re-validating never stops a run.
+            fresh = entry is not None and _revalidated(stage, entry.output) is None
+            entry = None if fresh else entry
             shared = entry is not None
             computed: Computed | None = None
             if entry is None:
+                compute = functools.partial(self._compute if fresh else self._claim_or_wait, plan, document, key)
                 try:
-                    computed, shared = await self.flights.do(key, lambda: self._claim_or_wait(plan, document, key))
+                    computed, shared = await self.flights.do(key, compute)
                 except StageFailed as failed:
                     tally.llm_calls += len(failed.calls)
                     log.warning("stage_failed", reason=failed.reason, tenant=document.tenant, stage=stage.name,
                                 doc_key=document.key, stream=document.position.stream,
                                 partition=document.position.partition, offset=document.position.offset)
+                    work.calls.extend(failed.calls)
                     raw = getattr(failed.error, "raw", None)
                     return self._dead(document, payload, stage.name, key, failed.reason, str(failed.error), raw,
-                                      results, typed, calls + failed.calls, cache), tally
+                                      work, settles)
                 entry = computed.entry
                 shared = shared or computed.from_peer
             output = stage.output_model.model_validate(entry.output)
@@ -239,16 +269,17 @@ class Executor:
             if shared:
                 tally.cache_hits += 1
                 tally.saved_cost += entry.cost
-                calls.append(self._record(document, stage.name, key, entry.model, "cache_hit",
-                                          entry.tokens_in, entry.tokens_out, entry.cost, 0.0))
+                work.calls.append(self._record(document, stage.name, key, entry.model, "cache_hit",
+                                               entry.tokens_in, entry.tokens_out, entry.cost, 0.0))
                 attempts, latency = 0, 0.0
             else:
                 assert computed is not None  # noqa: S101 - only a fresh computation is unshared
                 tally.llm_calls += len(computed.calls)
-                calls.extend(computed.calls)
-                cache.append(entry)
+                work.calls.extend(computed.calls)
+                work.cache.append(entry)
                 attempts, latency = computed.attempts, computed.latency_ms
-            results.append(StageResult(
+            work.stages.append(stage.name)
+            work.results.append(StageResult(
                 stage=stage.name,
                 output=entry.output,
                 provenance=Provenance(
@@ -260,16 +291,17 @@ class Executor:
                 ),
             ))
             if isinstance(stage, Extract):
-                typed.append((stage.table, {**output.model_dump(), "cache_key": key}))
+                work.typed.append((stage.table, {**output.model_dump(), "cache_key": key}))
             if self.review is not None and (why := self.review.reason(
                     document.tenant, stage.name, document.key, entry.output, self.seen_labels)):
-                reviews.append((stage.name, entry.output, why))
-        quarantined = ref in lookup.dead
-        if not results and not quarantined:
-            return DocumentOutcome(document=None), tally
-        return DocumentOutcome(document=document, results=tuple(results), typed_rows=tuple(typed),
-                               calls=tuple(calls), cache=tuple(cache), resolves_dead_letter=quarantined,
-                               reviews=tuple(reviews)), tally
+                work.reviews.append((stage.name, entry.output, why))
+        # Stored results of stages that no longer apply (a when= that now says no) go too.
+        stale = sum((*ref, plan.stage.name) in lookup.results for plan in plans) > stored_stages
+        if not work.results and not settles and not stale:
+            return DocumentOutcome(document=None)
+        return DocumentOutcome(document=document, results=tuple(work.results), stages=tuple(work.stages),
+                               typed_rows=tuple(work.typed), calls=tuple(work.calls), cache=tuple(work.cache),
+                               settles_dead_letters=settles, reviews=tuple(work.reviews), payload=payload)
 
     async def _claim_or_wait(self, plan: StagePlan, document: Document, key: str) -> Computed:
         """Calls the model only while holding the key's claim; otherwise waits for the holder's
@@ -328,6 +360,8 @@ class Executor:
                 break
         except EtlError as exc:
             raise StageFailed(exc, calls) from exc
+        except Exception as exc:  # a validator or a backend raised something of its own
+            raise StageFailed(StageError(f"{type(exc).__name__}: {str(exc)[:300]}"), calls) from exc
         spent_in = sum(c.tokens_in for c in calls)
         spent_out = sum(c.tokens_out for c in calls)
         entry = CacheEntry(
@@ -377,11 +411,35 @@ class Executor:
                           latency_ms=latency_ms, error=error)
 
     @staticmethod
-    def _dead(document: Document, payload: bytes, stage: str, key: str | None, reason: str, detail: str,
-              raw: str | None, results: list[StageResult], typed: list[tuple[str, dict[str, Any]]],
-              calls: list[CallRecord], cache: list[CacheEntry]) -> DocumentOutcome:
+    def _dead(document: Document, payload: bytes, stage: str | None, key: str | None, reason: str, detail: str,
+              raw: str | None, work: _Work, settles: bool) -> DocumentOutcome:
+        """The document's dead letter, with the stages before the failing one (paid work is kept)."""
         letter = DeadLetter(position=document.position, reason=reason, detail=detail, payload=payload,
                             tenant=document.tenant, doc_key=document.key, stage=stage, cache_key=key,
                             raw_output=raw)
-        return DocumentOutcome(document=document, results=tuple(results), typed_rows=tuple(typed),
-                               calls=tuple(calls), cache=tuple(cache), dead_letter=letter)
+        return DocumentOutcome(document=document, results=tuple(work.results), stages=tuple(work.stages),
+                               typed_rows=tuple(work.typed), calls=tuple(work.calls), cache=tuple(work.cache),
+                               dead_letter=letter, settles_dead_letters=settles, payload=payload)
+
+
+def _revalidated(stage: Stage, output: dict[str, Any]) -> BaseModel | None:
+    """A stored or cached output as the stage's model today, or None if the model's own checks now
+    refuse it (a tightened validator): then it is computed again, never a crash."""
+    try:
+        return stage.output_model.model_validate(output)
+    except ValueError:  # pydantic's ValidationError, or a validator's ValueError
+        return None
+
+
+@dataclass
+class _Work:
+    """What a document's stages produced so far (kept when a later stage fails: paid work)."""
+
+    stage: str | None = None
+    key: str | None = None
+    stages: list[str] = dataclasses.field(default_factory=list)
+    results: list[StageResult] = dataclasses.field(default_factory=list)
+    typed: list[tuple[str, dict[str, Any]]] = dataclasses.field(default_factory=list)
+    calls: list[CallRecord] = dataclasses.field(default_factory=list)
+    cache: list[CacheEntry] = dataclasses.field(default_factory=list)
+    reviews: list[tuple[str, dict[str, Any], str]] = dataclasses.field(default_factory=list)

@@ -98,8 +98,9 @@ class Pipeline:
             seen[stage.name] = stage
 
     @property
-    def extract_tables(self) -> list[tuple[str, Any]]:
-        return [(s.table, s.schema) for s in self.stages if isinstance(s, Extract)]
+    def extract_tables(self) -> list[tuple[str, str, Any]]:
+        """(stage, table, schema) of each Extract stage: what ``Store.prepare`` creates."""
+        return [(s.name, s.table, s.schema) for s in self.stages if isinstance(s, Extract)]
 
     def __repr__(self) -> str:
         return f"Pipeline(name={self.name!r}, stages={self.stages!r})"

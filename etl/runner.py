@@ -27,11 +27,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from connectors.sources import Message, PartitionKey
-from connectors.store import Batch, DocRef, DocumentOutcome, Lookup, SqlStore, Store
+from connectors.store import Batch, DocRef, DocumentOutcome, Lookup, SqlStore, Store, is_transient
 from etl.decode import Decoded
 from etl.errors import BadInput, ConfigError, SourceError, StoreError
 from etl.execute import Executor, StagePlan, Tally
@@ -61,6 +61,8 @@ class RunStats:
     llm_calls: int = 0
     results_written: int = 0
     dead_letters: int = 0
+    #: Messages holding an older version of a document the store has a newer version of: no-ops.
+    older_versions: int = 0
     saved_cost: float = 0.0
     in_flight: int = 0
     started: float = 0.0
@@ -88,11 +90,6 @@ class _Pending:
     task: asyncio.Task[Any] | None = None
     #: Holds one of the window's slots (model work started), given back when its outcome commits.
     slot: bool = False
-
-
-def _transient(exc: BaseException) -> bool:
-    """A database that is restarting or unreachable: worth waiting for, not worth crashing over."""
-    return isinstance(exc, OperationalError) or (isinstance(exc, DBAPIError) and exc.connection_invalidated)
 
 
 class Runner:
@@ -123,7 +120,7 @@ class Runner:
         def tenant_plans(tenant: str) -> list[StagePlan]:
             if tenant not in plans:
                 model = pipeline.tenant_llms.get(tenant, llm)
-                plans[tenant] = [StagePlan.of(stage, model) for stage in pipeline.stages_for(tenant)]
+                plans[tenant] = [StagePlan.of(stage, model, settings.repairs) for stage in pipeline.stages_for(tenant)]
             return plans[tenant]
 
         budgets = TenantBudgets(pipeline.budgets, self._tokens_spent) if pipeline.budgets else None
@@ -188,7 +185,7 @@ class Runner:
         loop = asyncio.get_running_loop()
         try:
             async for attempt in AsyncRetrying(
-                retry=retry_if_exception(_transient), stop=stop_after_delay(self.store_retry_s),
+                retry=retry_if_exception(is_transient), stop=stop_after_delay(self.store_retry_s),
                 wait=wait_exponential(multiplier=0.2, max=5), reraise=True,
                 before_sleep=lambda state: log.warning("store_unavailable", attempt=state.attempt_number),
             ):
@@ -231,6 +228,8 @@ class Runner:
         if isinstance(self.store, SqlStore) and self.pipeline.review is not None:
             self.executor.seen_labels = await self._store(self.store.sampled_labels, self.pipeline.name)
         await self._source(source.open, self)
+        if source.dead_letter_channel:
+            await self._publish_pending()  # letters a crash left between the commit and the channel
         self._last_flush = last_message = last_keepalive = time.perf_counter()
         exhausted = False
         polling: asyncio.Future[list[Message] | None] | None = None
@@ -367,6 +366,19 @@ class Runner:
             self.tracker.complete(p, epoch)
         for doc, message, epoch, doc_keys in decoded:
             ref = (doc.tenant, doc.key)
+            stored = lookup.versions.get(ref)
+            if stored is not None and stored > (message.stream, message.partition, message.offset):
+                # An older version of a document stored newer: nothing to call or write (but an open
+                # dead letter of this version, a race or a dlq replay, is settled as superseded).
+                self.stats.older_versions += 1
+                if executor.retry_dead_letters or ref in lookup.dead:
+                    outcome = DocumentOutcome(document=decoder.document(doc, message), settles_dead_letters=True)
+                    self._done.append((outcome, _Pending(message.position, epoch, None, [])))
+                    self.tracker.complete(message, epoch)
+                else:
+                    self._settle(message, epoch, 0)
+                settled += 1
+                continue
             live = self._live.get(ref)
             if live is not None and live[0] == doc.content_hash:
                 # The same document is already in flight or awaiting commit (a redelivery within
@@ -390,6 +402,15 @@ class Runner:
         self.stats.stage_runs += stage_runs
         self.stats.stored_hits += stage_runs
         self.tracker.complete(message, epoch)
+
+    async def _publish_pending(self) -> None:
+        """Dead letters committed and not yet on the source's channel go out now, and are marked
+        published in the store (after the commit: a crash in between can never lose them, and
+        publishes them again at most for that one batch)."""
+        try:
+            await self._store(self.store.publish_pending, self.pipeline.name, self.pipeline.source.publish_dead_letters)
+        except (OSError, RuntimeError) as exc:
+            raise SourceError(str(exc)) from exc
 
     async def _report(self, batch: Batch) -> None:
         assert self.metrics is not None  # noqa: S101
@@ -431,13 +452,13 @@ class Runner:
     async def _flush(self) -> None:
         done, self._done = self._done, []
         positions = self.tracker.take_watermarks()
+        source = self.pipeline.source
         batch = Batch(outcomes=[outcome for outcome, _ in done],
-                      positions=positions if self.pipeline.source.records_positions else {})
-        letters = [o.dead_letter for o in batch.outcomes if o.dead_letter is not None]
-        if letters:
-            await self._source(self.pipeline.source.publish_dead_letters, letters)
+                      positions=positions if source.records_positions else {}, outbox=source.dead_letter_channel)
         await self._store(self.store.write, self.pipeline.name, batch)
-        await self._source(self.pipeline.source.commit, batch.positions)
+        if batch.outbox and any(o.dead_letter is not None for o in batch.outcomes):
+            await self._publish_pending()
+        await self._source(source.commit, batch.positions)
         self._last_flush = time.perf_counter()
         for outcome, pending in done:
             self.stats.results_written += len(outcome.results)

@@ -2,16 +2,23 @@
 
 A validator takes the validated output and returns an error message, or None when the output is
 fine. The message is shown to the model in a repair re-ask, so say what is wrong and how to fix it.
-Validators are part of the stage fingerprint (by name): tighten one and outputs are re-checked.
+
+Validators are part of the stage fingerprint: tighten one and outputs are computed again. A
+:class:`Check` is fingerprinted by its name and parameters (``date_parses("date", formats)``
+records the formats); any other callable by the hash of its source code, with a warning, since a
+change to what it reads from outside (a constant, a file) cannot be seen.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Collection
 from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel
+
+from dedup import code_digest
 
 #: Formats ``date_parses`` accepts, in the order tried (receipts print dates in many ways).
 DATE_FORMATS = ("%Y-%m-%d", "%d/%m/%Y", "%d-%m-%Y", "%d.%m.%Y", "%m/%d/%Y", "%d/%m/%y", "%d-%m-%y",
@@ -19,27 +26,43 @@ DATE_FORMATS = ("%Y-%m-%d", "%d/%m/%Y", "%d-%m-%Y", "%d.%m.%Y", "%m/%d/%Y", "%d/
 
 
 class Check:
-    """A named validator. Plain callables work too; a Check keeps a readable, stable name."""
+    """A validator with a stable spec: its name and the parameters that decide what it accepts.
 
-    def __init__(self, name: str, fn: Callable[[BaseModel], str | None]) -> None:
+    Args:
+        name: What it checks, e.g. ``"date_parses"``.
+        fn: The check itself: output → error message or None.
+        **params: Everything ``fn`` depends on besides the output (JSON values): they go into the
+            stage fingerprint, so changing one re-runs the stage.
+    """
+
+    def __init__(self, name: str, fn: Callable[[BaseModel], str | None], **params: Any) -> None:
         self.name = name
         self.fn = fn
+        self.params = params
 
     def __call__(self, output: BaseModel) -> str | None:
         return self.fn(output)
 
+    def spec(self) -> dict[str, Any]:
+        return {"check": self.name, "params": self.params}
+
     def __repr__(self) -> str:
-        return self.name
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
+        return f"{self.name}({args})"
 
 
 Validator = Callable[[BaseModel], str | None]
 
 
-def validator_name(validator: Validator) -> str:
-    """What the fingerprint records for a validator."""
+def validator_spec(validator: Validator) -> dict[str, Any]:
+    """What the fingerprint records for a validator: a Check's spec, else the callable's name and
+    the hash of its code (warned about: use a Check for a spec that says what matters)."""
     if isinstance(validator, Check):
-        return validator.name
-    return f"{getattr(validator, '__module__', '')}.{getattr(validator, '__qualname__', repr(validator))}"
+        return validator.spec()
+    name = f"{getattr(validator, '__module__', '')}.{getattr(validator, '__qualname__', type(validator).__qualname__)}"
+    warnings.warn(f"validator {name} is fingerprinted by its source code; wrap it in etl.Check(name, fn, **params) "
+                  "so the stage fingerprint records what it depends on", stacklevel=3)
+    return {"callable": name, "code": code_digest(validator)}
 
 
 def _value(output: BaseModel, field: str) -> Any:
@@ -48,6 +71,7 @@ def _value(output: BaseModel, field: str) -> Any:
 
 def date_parses(field: str, formats: Collection[str] = DATE_FORMATS) -> Check:
     """The field is a date in one of ``formats`` (None passes: use the schema to require it)."""
+    formats = list(formats)
 
     def check(output: BaseModel) -> str | None:
         value = _value(output, field)
@@ -61,7 +85,7 @@ def date_parses(field: str, formats: Collection[str] = DATE_FORMATS) -> Check:
                 continue
         return f"{field}={value!r} is not a date (expected e.g. 2024-03-18 or 18/03/2024)"
 
-    return Check(f"date_parses({field})", check)
+    return Check("date_parses", check, field=field, formats=formats)
 
 
 def non_negative(field: str) -> Check:
@@ -73,7 +97,7 @@ def non_negative(field: str) -> Check:
             return f"{field}={value} must not be negative"
         return None
 
-    return Check(f"non_negative({field})", check)
+    return Check("non_negative", check, field=field)
 
 
 def not_empty(field: str) -> Check:
@@ -85,4 +109,4 @@ def not_empty(field: str) -> Check:
             return f"{field} must not be empty"
         return None
 
-    return Check(f"not_empty({field})", check)
+    return Check("not_empty", check, field=field)

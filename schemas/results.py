@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.document import Position
 
@@ -60,6 +61,8 @@ class CallRecord(BaseModel):
     cost: float
     latency_ms: float
     error: str | None = None
+    #: This attempt's own id, made once: writing the record twice (a retried commit) adds one row.
+    call_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
 
 
 class DeadLetter(BaseModel):

@@ -56,6 +56,8 @@ class Source(ABC):
     name: str = "source"
     #: False for sources that re-read old positions (dead-letter replay): never store their positions.
     records_positions: bool = True
+    #: Whether ``publish_dead_letters`` sends letters somewhere (a DLQ topic).
+    dead_letter_channel: bool = False
 
     def open(self, ledger: PartitionLedger) -> None:  # noqa: B027 - optional hook
         """Called once before the first poll. Partitioned sources seek each partition they are given
@@ -73,9 +75,10 @@ class Source(ABC):
         optimisation only: if it fails or never happens, the stored positions still rule."""
 
     def publish_dead_letters(self, letters: Sequence[DeadLetter]) -> None:  # noqa: B027 - optional hook
-        """Called with new dead letters *before* the store transaction that records them, so a crash
-        in between republishes rather than loses them (at least once; the table is the record).
-        Sources without a dead-letter channel keep them in the table only."""
+        """Called, for a source with ``dead_letter_channel``, with dead letters *after* the store
+        transaction that recorded them (an outbox: the table is the record); they are marked
+        published once this returns. Raise if any letter was not accepted: they stay pending and are
+        sent again. Sources without a channel keep them in the table only."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases files or connections. Not guaranteed to be called."""

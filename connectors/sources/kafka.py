@@ -85,6 +85,8 @@ class KafkaSource(Source):
         self._last_poll = time.monotonic()
         #: Longest the consumer goes unpolled while the runner is full (far below max.poll.interval.ms).
         self.keepalive_s = 5.0
+        #: Largest dead-letter value published whole (below Kafka's default 1 MiB message limits).
+        self.dlq_max_bytes = 900_000
         self._end: dict[TopicPartition, int] | None = None
 
     def open(self, ledger: PartitionLedger) -> None:
@@ -189,22 +191,36 @@ class KafkaSource(Source):
             # Harmless: the stored positions rule; a new owner seeks to them.
             log.warning("kafka_commit_failed", error=type(exc).__name__)
 
+    @property
+    def dead_letter_channel(self) -> bool:  # type: ignore[override]
+        return bool(self.dlq_topic)
+
     def publish_dead_letters(self, letters: Sequence[DeadLetter]) -> None:
+        """Sends each letter (its original bytes, reason and position in headers) and waits for every
+        acknowledgement; raises if any was refused. A payload over ``dlq_max_bytes`` (the broker's
+        and producer's default limits are ~1 MiB) is cut to that size, with a ``truncated`` header
+        holding its full length: the full bytes stay in the ``dead_letters`` table."""
         if not self.dlq_topic or not letters:
             return
         if self._producer is None:
             self._producer = KafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=5)
         try:
+            sent = []
             for letter in letters:
-                headers = [
+                value, headers = letter.payload, [
                     ("reason", letter.reason.encode()),
                     ("detail", letter.detail.encode()[:1000]),
                     ("source", json.dumps(letter.position.model_dump()).encode()),
                 ]
                 if letter.tenant:
-                    headers.append(("tenant", letter.tenant.encode()))
-                self._producer.send(self.dlq_topic, value=letter.payload, headers=headers)
+                    headers.append(("tenant", letter.tenant.encode()[:1000]))
+                if len(value) > self.dlq_max_bytes:
+                    value = value[: self.dlq_max_bytes]
+                    headers.append(("truncated", str(len(letter.payload)).encode()))
+                sent.append(self._producer.send(self.dlq_topic, value=value, headers=headers))
             self._producer.flush(timeout=60)
+            for future in sent:
+                future.get(timeout=60)  # flush() does not raise for a record the broker refused
         except KafkaError as exc:
             raise KafkaUnavailable(f"cannot publish dead letters to {self.dlq_topic}: {type(exc).__name__}") from exc
 

@@ -1,6 +1,16 @@
 """The SQL store: tables, migrations, and one transaction per batch."""
 
-from connectors.store.base import Batch, CacheEntry, DocRef, DocumentOutcome, Lookup, Store
-from connectors.store.sql import SqlStore, make_engine, upgrade
+from connectors.store.base import (
+    Batch,
+    CacheEntry,
+    DocRef,
+    DocumentOutcome,
+    Lookup,
+    Store,
+    TypedTable,
+    Version,
+)
+from connectors.store.sql import SqlStore, is_transient, make_engine, upgrade
 
-__all__ = ["Batch", "CacheEntry", "DocRef", "DocumentOutcome", "Lookup", "SqlStore", "Store", "make_engine", "upgrade"]
+__all__ = ["Batch", "CacheEntry", "DocRef", "DocumentOutcome", "Lookup", "SqlStore", "Store", "TypedTable", "Version",
+           "is_transient", "make_engine", "upgrade"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +12,11 @@ from pydantic import BaseModel
 from schemas import CallRecord, DeadLetter, Document, StageResult
 
 DocRef = tuple[str, str]  # (tenant, doc_key)
+#: (stream, partition, offset). Versions of one document are ordered by it: within a partition or a
+#: file a later offset is newer; across partitions the tuple order decides (stable, if arbitrary).
+Version = tuple[str, int, int]
+#: (stage, table, schema) of each Extract stage: where its typed rows go.
+TypedTable = tuple[str, str, type[BaseModel]]
 
 
 @dataclass(frozen=True)
@@ -33,18 +38,32 @@ class CacheEntry:
 
 @dataclass(frozen=True)
 class DocumentOutcome:
-    """Everything one document produced: its results, or the dead letter it ended as."""
+    """Everything one version of a document produced: its results, the dead letter it ended as, or
+    both (the stages before the one that failed).
+
+    The store keeps it only if it is the document's newest version (its position is not older than
+    the stored one); an older version's results are dropped, while its attempts and cache entries
+    (paid work) are always kept.
+    """
 
     document: Document | None
+    #: New or changed results; stages already stored for this exact key are not repeated.
     results: tuple[StageResult, ...] = ()
+    #: Every stage this version has a result for once written (stored before, or in ``results``):
+    #: the document's results of any other stage, and their typed rows, are removed with it.
+    stages: tuple[str, ...] = ()
     typed_rows: tuple[tuple[str, dict[str, Any]], ...] = ()  # (table, fields) per Extract result
     calls: tuple[CallRecord, ...] = ()
     cache: tuple[CacheEntry, ...] = ()
     dead_letter: DeadLetter | None = None
-    #: The document had an open dead letter and now has its results: it leaves quarantine.
-    resolves_dead_letter: bool = False
+    #: The document may have open dead letters: a success resolves this version's letter
+    #: (``replayed``), and a newer version supersedes older versions' letters (``superseded``).
+    settles_dead_letters: bool = False
     #: (stage, output, why) sampled for human review.
     reviews: tuple[tuple[str, dict[str, Any], str], ...] = ()
+    #: The message's original bytes: what a ``store_rejected`` dead letter keeps if the store
+    #: refuses this outcome.
+    payload: bytes = b""
 
 
 @dataclass
@@ -54,6 +73,9 @@ class Batch:
     outcomes: list[DocumentOutcome] = field(default_factory=list)
     #: (stream, partition) → next offset; every message before it has an outcome in the store.
     positions: dict[tuple[str, int], int] = field(default_factory=dict)
+    #: The source has a dead-letter channel: this batch's new letters are written unpublished and
+    #: go out through ``SqlStore.publish_pending`` after the commit.
+    outbox: bool = False
 
 
 @dataclass
@@ -67,13 +89,15 @@ class Lookup:
     cache: dict[str, CacheEntry]
     #: (stream, partition, offset) of the asked-about positions that already have a dead letter.
     dead_positions: set[tuple[str, int, int]] = field(default_factory=set)
+    #: (tenant, doc_key) → position of the stored version: a message older than it is a no-op.
+    versions: dict[DocRef, Version] = field(default_factory=dict)
 
 
 class Store(ABC):
     """Where results, cache, calls and positions live. Every write is one transaction."""
 
     @abstractmethod
-    def prepare(self, typed_tables: Sequence[tuple[str, type[BaseModel]]]) -> None:
+    def prepare(self, typed_tables: Sequence[TypedTable]) -> None:
         """Called once before a run: migrates the schema and creates the typed extraction tables.
         Raises if a typed table exists with columns that no longer match its schema."""
 
@@ -97,10 +121,20 @@ class Store(ABC):
 
     @abstractmethod
     def write(self, pipeline: str, batch: Batch) -> None:
-        """Commits a batch atomically: documents, results, typed rows, cache, calls, dead letters
-        and positions. Called before the source commits; if it raises, nothing was written and the
-        messages will be redelivered. Idempotent: writing the same batch twice adds no row."""
+        """Commits a batch: documents, results, typed rows, cache, calls, dead letters and positions.
+        Called before the source commits; positions are written last, with or after everything
+        they complete. If it raises, no position moved and the messages will be redelivered.
+        Idempotent: writing the same batch twice adds no row. An outcome the store refuses (a
+        value it cannot hold) becomes that document's ``store_rejected`` dead letter; it never
+        fails the batch."""
 
     @abstractmethod
     def stored_position(self, pipeline: str, stream: str, partition: int) -> int | None:
         """The next offset to read for a partition, or None if it was never processed."""
+
+    def publish_pending(self, pipeline: str, publish: Callable[[list[DeadLetter]], None]) -> int:  # noqa: B027
+        """Hands the pipeline's dead letters not yet published to ``publish`` (the source's
+        channel) and marks them published once it returns; returns how many. Called after each
+        commit that wrote letters, and once at start-up (for letters a crash left unpublished).
+        If ``publish`` raises, they stay pending and the error propagates."""
+        return 0

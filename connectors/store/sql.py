@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import structlog
 from pydantic import BaseModel
 from sqlalchemy import (
     Connection,
     Engine,
     MetaData,
-    ColumnElement,
     Table,
-    any_,
-    bindparam,
     create_engine,
     delete,
     event,
@@ -33,9 +31,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
-from connectors.store.base import Batch, CacheEntry, DocRef, Lookup, Store
+from connectors.store.base import Batch, CacheEntry, DocRef, Lookup, Store, TypedTable
 from connectors.store.tables import (
-    TYPED_KEY_COLUMNS,
     dead_letters,
     documents,
     llm_cache,
@@ -47,11 +44,14 @@ from connectors.store.tables import (
     typed_table,
 )
 from connectors.store.security import protect_tenant_table
+from connectors.store.write import BatchWriter, chunks, is_transient, members, rejected_by_value, write_apart
 from dedup import Claims
+from schemas import DeadLetter, Position
 
 MIGRATIONS = Path(__file__).parent / "migrations"
-#: Rows per IN (...) query; keeps statements well under both backends' parameter limits.
-_CHUNK = 500
+log = structlog.get_logger("connectors.store")
+
+__all__ = ["SqlStore", "is_transient", "make_engine", "migrate", "upgrade"]
 
 
 def make_engine(url: str) -> Engine:
@@ -93,45 +93,6 @@ def migrate(conn: Connection) -> None:
     command.upgrade(config, "head")
 
 
-def upsert(conn: Connection, table: Table, rows: list[dict[str, Any]], keys: Sequence[str],
-           changed_when: str | None) -> None:
-    """Inserts rows; on a key conflict updates the row only where ``changed_when`` differs (so a
-    redelivery rewrites nothing), or does nothing when ``changed_when`` is None."""
-    if not rows:
-        return
-    stmt = (postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert)(table)
-    if changed_when is None:
-        stmt = stmt.on_conflict_do_nothing(index_elements=list(keys))
-    else:
-        updates = {c: stmt.excluded[c] for c in rows[0] if c not in keys}
-        if "updated_at" in table.c:
-            updates["updated_at"] = func.now()
-        stmt = stmt.on_conflict_do_update(
-            index_elements=list(keys), set_=updates,
-            where=table.c[changed_when] != stmt.excluded[changed_when],
-        )
-    conn.execute(stmt, rows)
-
-
-def _chunks(items: list[Any], size: int = _CHUNK) -> Iterable[list[Any]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
-
-
-def _members(conn: Connection, values: list[Any], *columns: ColumnElement[Any]) -> Iterator[list[ColumnElement[bool]]]:
-    """``column IN values`` for each of ``columns``, in as few statements as it takes: one
-    ``= ANY(array)`` on PostgreSQL (one parameter however many values and columns, so the statement
-    is planned once and the values sent once), IN lists on SQLite (no arrays, limited parameters)."""
-    if not values:
-        return
-    if conn.dialect.name == "postgresql":
-        values_param = bindparam("members", values, type_=postgresql.ARRAY(columns[0].type))
-        yield [column == any_(values_param) for column in columns]
-        return
-    for chunk in _chunks(values, _CHUNK // len(columns)):
-        yield [column.in_(chunk) for column in columns]
-
-
 #: See ``SqlStore.unsettled``: (tenant, doc key, stage, cache key) rows with no stored result for
 #: exactly that key, and documents with an open dead letter; index probes by (pipeline, doc key).
 _UNSETTLED = text("""
@@ -159,12 +120,14 @@ class SqlStore(Store, Claims):
         self._insert = postgresql.insert if self.engine.dialect.name == "postgresql" else sqlite.insert
         self._typed_meta = MetaData()
         self._typed: dict[str, Table] = {}
+        self._writer = BatchWriter(self._typed, {})
 
-    def prepare(self, typed_tables: Sequence[tuple[str, type[BaseModel]]]) -> None:
+    def prepare(self, typed_tables: Sequence[TypedTable]) -> None:
         with self.engine.begin() as conn:  # one transaction, so workers starting together take turns
             migrate(conn)
-            for name, schema in typed_tables:
+            for stage, name, schema in typed_tables:
                 self._prepare_typed(conn, name, schema)
+                self._writer.stage_tables[stage] = name  # type: ignore[index]
 
     def _prepare_typed(self, conn: Connection, name: str, schema: type[BaseModel]) -> None:
         table = self._typed.get(name) or typed_table(name, schema, self._typed_meta)
@@ -189,30 +152,36 @@ class SqlStore(Store, Claims):
         found = Lookup(results={}, dead={}, cache={})
         r, d = stage_results.c, dead_letters.c
         with self.engine.connect() as conn:
-            for chunk in _chunks(sorted(set(positions))):
+            for chunk in chunks(sorted(set(positions))):
                 rows = conn.execute(select(d.stream, d.partition, d.message_offset).where(
                     d.pipeline == pipeline, tuple_(d.stream, d.partition, d.message_offset).in_(chunk)))
                 found.dead_positions.update((stream, partition, offset) for stream, partition, offset in rows)
-            # Stored results and open dead letters in one statement, by members of one indexed column
-            # (row-value IN lists of hundreds of pairs plan badly); rows of other tenants with the
-            # same key are dropped here.
-            for of_results, of_dead in _members(conn, list({key for _, key in refs}), r.doc_key, d.doc_key):
-                statement = union_all(
+            # Stored versions, results and open dead letters in one statement, by members of one
+            # indexed column (row-value IN lists of hundreds of pairs plan badly); rows of other
+            # tenants with the same key are dropped here.
+            v = documents.c
+            for of_docs, of_results, of_dead in members(conn, list({key for _, key in refs}), v.doc_key, r.doc_key,
+                                                        d.doc_key):
+                statement = union_all(  # results first: the first select types the columns (JSON output)
                     select(literal("result"), r.tenant, r.doc_key, r.stage, r.cache_key,
-                           r.output if outputs else null()).where(r.pipeline == pipeline, of_results),
-                    select(literal("dead"), d.tenant, d.doc_key, null(), d.cache_key, null()).where(
+                           r.output if outputs else null(), null(), null()).where(r.pipeline == pipeline, of_results),
+                    select(literal("doc"), v.tenant, v.doc_key, v.stream, null(), null(), v.partition,
+                           v.message_offset).where(v.pipeline == pipeline, of_docs),
+                    select(literal("dead"), d.tenant, d.doc_key, null(), d.cache_key, null(), null(), null()).where(
                         d.pipeline == pipeline, d.status == "open", of_dead),
                 )
-                for kind, tenant, key, stage, cache_key, output in conn.execute(statement).all():
+                for kind, tenant, key, stage, cache_key, output, partition, offset in conn.execute(statement).all():
                     if (tenant, key) not in refs:
                         continue
                     if kind == "result":
                         found.results[(tenant, key, stage)] = (cache_key, output)
+                    elif kind == "doc":
+                        found.versions[(tenant, key)] = (stage, partition, offset)
                     else:
                         found.dead.setdefault((tenant, key), set()).add(cache_key)
             # A key whose result is already stored needs no cache look-up (every redelivery).
             stored = {cache_key for cache_key, _ in found.results.values()}
-            for (member,) in _members(conn, sorted(set(cache_keys) - stored), llm_cache.c.cache_key):
+            for (member,) in members(conn, sorted(set(cache_keys) - stored), llm_cache.c.cache_key):
                 for row in conn.execute(select(llm_cache).where(member)).mappings():
                     found.cache[row["cache_key"]] = CacheEntry(**{k: row[k] for k in CacheEntry.__dataclass_fields__})
         return found
@@ -227,8 +196,39 @@ class SqlStore(Store, Claims):
             return {(tenant, key) for tenant, key in rows}
 
     def write(self, pipeline: str, batch: Batch) -> None:
+        def write(conn: Connection, part: Batch) -> None:
+            self._writer.write(conn, pipeline, part)
+
+        try:
+            with self.engine.begin() as conn:
+                write(conn, batch)
+        except Exception as exc:
+            if not rejected_by_value(exc):
+                raise
+            # One outcome holds a value the store refuses: write them apart, so only it is lost
+            # (as its dead letter), never the batch.
+            refused = write_apart(self.engine.begin, write, batch)
+            log.warning("store_rejected", pipeline=pipeline, outcomes=len(batch.outcomes), refused=refused,
+                        error=type(exc).__name__)
+
+    def publish_pending(self, pipeline: str, publish: Callable[[list[DeadLetter]], None]) -> int:
+        c = dead_letters.c
         with self.engine.begin() as conn:
-            self._write(conn, pipeline, batch)
+            # Locked while they are published (skipped by other workers doing the same), marked in
+            # the same transaction: a crash before the mark republishes, never loses.
+            query = select(c.id, c.stream, c.partition, c.message_offset, c.reason, c.detail, c.payload, c.tenant,
+                           c.doc_key, c.stage, c.cache_key, c.raw_output).where(
+                c.pipeline == pipeline, ~c.published).order_by(c.id).with_for_update(skip_locked=True)
+            found = conn.execute(query).all()
+            if not found:
+                return 0
+            publish([DeadLetter(position=Position(stream=r.stream, partition=r.partition, offset=r.message_offset),
+                                reason=r.reason, detail=r.detail, payload=bytes(r.payload), tenant=r.tenant,
+                                doc_key=r.doc_key, stage=r.stage, cache_key=r.cache_key, raw_output=r.raw_output)
+                     for r in found])
+            for (member,) in members(conn, [r.id for r in found], c.id):
+                conn.execute(update(dead_letters).where(member).values(published=True))
+            return len(found)
 
     def claim(self, key: str, owner: str, lease_s: float) -> bool:
         return key in self.claim_many([key], owner, lease_s)
@@ -281,100 +281,3 @@ class SqlStore(Store, Claims):
                     source_positions.c.partition == partition,
                 )
             ).scalar_one_or_none()
-
-    # -- one transaction ---------------------------------------------------------------------
-
-    def _write(self, conn: Connection, pipeline: str, batch: Batch) -> None:
-        docs: dict[DocRef, dict[str, Any]] = {}
-        results: dict[tuple[str, str, str], dict[str, Any]] = {}
-        typed: dict[str, dict[DocRef, dict[str, Any]]] = {}
-        cache: dict[str, dict[str, Any]] = {}
-        calls: list[dict[str, Any]] = []
-        dead: list[dict[str, Any]] = []
-        # Later outcomes for the same document win (the newest content); rows are de-duplicated
-        # here because one statement may not touch the same row twice on PostgreSQL.
-        for outcome in batch.outcomes:
-            doc = outcome.document
-            if doc is not None:
-                ref = (doc.tenant, doc.key)
-                docs[ref] = {
-                    "pipeline": pipeline, "tenant": doc.tenant, "doc_key": doc.key,
-                    "content_hash": doc.content_hash, "stream": doc.position.stream,
-                    "partition": doc.position.partition, "message_offset": doc.position.offset,
-                    "received_at": doc.received_at,
-                }
-                for result in outcome.results:
-                    p = result.provenance
-                    results[(*ref, result.stage)] = {
-                        "pipeline": pipeline, "tenant": doc.tenant, "doc_key": doc.key, "stage": result.stage,
-                        "output": result.output, **p.model_dump(),
-                    }
-                for table, fields in outcome.typed_rows:
-                    typed.setdefault(table, {})[ref] = {
-                        "pipeline": pipeline, "tenant": doc.tenant, "doc_key": doc.key, **fields,
-                    }
-            for entry in outcome.cache:
-                cache[entry.cache_key] = vars(entry)
-            calls.extend({"pipeline": pipeline, **c.model_dump()} for c in outcome.calls)
-            if (letter := outcome.dead_letter) is not None:
-                dead.append({
-                    "pipeline": pipeline, "stream": letter.position.stream,
-                    "partition": letter.position.partition, "message_offset": letter.position.offset,
-                    **letter.model_dump(exclude={"position"}),
-                })
-        upsert(conn, documents, list(docs.values()), ("pipeline", "tenant", "doc_key"), "content_hash")
-        upsert(conn, stage_results, list(results.values()),
-                     ("pipeline", "tenant", "doc_key", "stage"), "cache_key")
-        for name, rows in typed.items():
-            upsert(conn, self._typed[name], list(rows.values()), TYPED_KEY_COLUMNS, "cache_key")
-        upsert(conn, llm_cache, list(cache.values()), ("cache_key",), None)
-        if dead:
-            # A message that fails again (a replay) keeps one dead letter, with the latest reason.
-            stmt = self._insert(dead_letters)
-            stmt = stmt.on_conflict_do_update(
-                index_elements=["pipeline", "stream", "partition", "message_offset"],
-                set_={c: stmt.excluded[c] for c in ("tenant", "doc_key", "stage", "cache_key", "reason", "detail",
-                                                    "raw_output", "status")},
-            )
-            conn.execute(stmt, dead)
-        resolved = [
-            {"p": pipeline, "t": o.document.tenant, "k": o.document.key, "s": o.document.position.stream,
-             "pa": o.document.position.partition, "o": o.document.position.offset}
-            for o in batch.outcomes if o.resolves_dead_letter and o.document is not None and o.dead_letter is None
-        ]
-        if resolved:
-            c = dead_letters.c
-            conn.execute(
-                update(dead_letters).where(
-                    c.pipeline == bindparam("p"), c.status == "open",
-                    ((c.tenant == bindparam("t")) & (c.doc_key == bindparam("k")))
-                    | ((c.stream == bindparam("s")) & (c.partition == bindparam("pa"))
-                       & (c.message_offset == bindparam("o"))),
-                ).values(status="replayed"),
-                resolved,
-            )
-        if calls:
-            conn.execute(llm_calls.insert(), calls)
-        reviews = [
-            {"pipeline": pipeline, "tenant": o.document.tenant, "stage": stage, "doc_key": o.document.key,
-             "content": o.document.content, "output": output, "sampled_because": why}
-            for o in batch.outcomes if o.document is not None for stage, output, why in o.reviews
-        ]
-        upsert(conn, review_queue, reviews, ("pipeline", "tenant", "doc_key", "stage"), None)
-        # Results and failures are durable now: nobody needs to wait on these keys any more.
-        done = sorted(set(cache) | {d["cache_key"] for d in dead if d["cache_key"]})
-        for (member,) in _members(conn, done, llm_claims.c.cache_key):
-            conn.execute(delete(llm_claims).where(member))
-        positions = [
-            {"pipeline": pipeline, "stream": stream, "partition": partition, "next_offset": offset}
-            for (stream, partition), offset in batch.positions.items()
-        ]
-        if positions:
-            # Positions only move forward: a deliberate replay from 0 must not rewind them.
-            stmt = self._insert(source_positions)
-            stmt = stmt.on_conflict_do_update(
-                index_elements=["pipeline", "stream", "partition"],
-                set_={"next_offset": stmt.excluded.next_offset, "updated_at": func.now()},
-                where=source_positions.c.next_offset < stmt.excluded.next_offset,
-            )
-            conn.execute(stmt, positions)

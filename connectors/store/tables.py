@@ -32,6 +32,8 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     func,
+    text,
+    true,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
@@ -123,7 +125,10 @@ llm_calls = Table(
     Column("latency_ms", Float, nullable=False),
     Column("error", Text),
     _now(),
+    #: The attempt's own id: a commit retried after a lost acknowledgement adds no second row.
+    Column("call_id", String(32)),
     Index("ix_llm_calls_tenant_stage", "tenant", "stage", "created_at"),
+    Index("uq_llm_calls_call_id", "call_id", unique=True),
 )
 
 source_positions = Table(
@@ -153,10 +158,16 @@ dead_letters = Table(
     Column("detail", Text, nullable=False),
     Column("payload", LargeBinary, nullable=False),
     Column("raw_output", Text),
+    #: open: the document's current version failed here. replayed: that version later succeeded.
+    #: superseded: a newer version of the document was stored.
     Column("status", String(20), nullable=False, server_default="open"),
     _now(),
+    #: Whether the letter reached the source's dead-letter channel (see ``SqlStore.publish_pending``).
+    Column("published", Boolean, nullable=False, server_default=true()),
     UniqueConstraint("pipeline", "stream", "partition", "message_offset", name="uq_dead_letters_position"),
     Index("ix_dead_letters_doc", "pipeline", "doc_key"),
+    Index("ix_dead_letters_unpublished", "pipeline", postgresql_where=text("NOT published"),
+          sqlite_where=text("NOT published")),
 )
 
 llm_claims = Table(

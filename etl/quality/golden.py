@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import Engine, insert, select
 
 from connectors.store.sql import migrate as upgrade_schema
-from connectors.store.sql import upsert
+from connectors.store.write import upsert
 from connectors.store.tables import eval_results, eval_runs, golden_examples, llm_calls
 from dedup import content_hash
 from etl.errors import ConfigError

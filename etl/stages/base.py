@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
+import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -13,7 +14,9 @@ from pydantic import BaseModel, ValidationError
 
 from etl.errors import ConfigError, Refusal, SchemaInvalid, SemanticInvalid, Truncated
 from etl.llm.base import LLMRequest, LLMResponse, Message
-from etl.validators import Validator, validator_name
+from etl.storable import value_problem
+from dedup import code_digest
+from etl.validators import Validator, validator_spec
 from schemas import Document
 
 #: Plain-text answers that decline rather than answer (for backends without a refusal field).
@@ -33,6 +36,37 @@ def _embedded_json(text: str) -> Any:
             pass
         start = text.find("{", start + 1)
     return None
+
+_CHECK_KINDS = ("validators", "field_validators", "root_validators", "model_validators", "field_serializers",
+                "model_serializers")
+
+
+def model_checks(model: type[BaseModel]) -> list[dict[str, Any]]:
+    """The pydantic validators and serializers of ``model`` and of the models inside it, each by
+    name, settings and the hash of its code: they decide which answers pass and what is stored, so
+    they belong in the fingerprint as much as the JSON schema does."""
+    found: list[dict[str, Any]] = []
+    seen: set[type[BaseModel]] = set()
+
+    def visit(annotation: Any) -> None:
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            if annotation in seen:
+                return
+            seen.add(annotation)
+            decorators = annotation.__pydantic_decorators__
+            for kind in _CHECK_KINDS:
+                for name, decorator in sorted(getattr(decorators, kind).items()):
+                    found.append({"model": annotation.__qualname__, "kind": kind, "name": name,
+                                  "info": repr(decorator.info), "code": code_digest(decorator.func)})
+            for info in annotation.model_fields.values():
+                visit(info.annotation)
+            return
+        for arg in typing.get_args(annotation):
+            visit(arg)
+
+    visit(model)
+    return found
+
 
 #: ``when=`` predicates see the validated outputs of the stages before them, by stage name.
 Outputs = Mapping[str, BaseModel]
@@ -94,7 +128,8 @@ class Stage(ABC):
             "schema": self.llm_schema(),
             "output_schema": self.output_model.model_json_schema(),
             "max_tokens": self.max_tokens,
-            "validators": [validator_name(v) for v in self.validators],
+            "validators": [validator_spec(v) for v in self.validators],
+            "model_checks": model_checks(self.output_model),
         }
 
     def override(self, **changes: Any) -> Stage:
@@ -119,7 +154,8 @@ class Stage(ABC):
         Raises:
             Truncated: the answer stopped at the token limit (not a parse error).
             Refusal: the answer declines instead of answering.
-            SchemaInvalid: no JSON object in the answer, or it does not match ``output_model``.
+            SchemaInvalid: no JSON object in the answer, it does not match ``output_model``, or it
+                holds a value the store cannot (NaN, infinity, an integer beyond 64 bits, NUL).
             SemanticInvalid: it matches the schema but a validator rejects it.
         """
         text = response.text
@@ -141,6 +177,8 @@ class Stage(ABC):
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "answer"
             raise SchemaInvalid(f"{where}: {first['msg']}", raw=text) from exc
+        if (problem := value_problem(output.model_dump())) is not None:
+            raise SchemaInvalid(problem, raw=text)  # valid for pydantic, but not storable
         for validator in self.validators:
             if (problem := validator(output)) is not None:
                 raise SemanticInvalid(problem, raw=text)

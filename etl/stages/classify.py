@@ -70,7 +70,7 @@ class Classify(Stage):
 
     def parse(self, response: LLMResponse) -> BaseModel:
         output = super().parse(response)
-        if response.confidence is not None:
+        if response.confidence is not None and 0.0 <= response.confidence <= 1.0:  # NaN compares False
             output = output.model_copy(update={"confidence": response.confidence})
         return output
 

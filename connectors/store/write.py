@@ -1,0 +1,336 @@
+"""One batch into the SQL store: versions first, then what the winning versions keep.
+
+Order inside the transaction, and why:
+
+1. ``documents``: each document's row is upserted only where the stored version is not newer
+   (positions compare as (stream, partition, offset)). On PostgreSQL the upsert locks the row, so
+   transactions writing the same document take turns and each sees the other's result. The rows
+   it returns are the *winners*: outcomes that are now their document's stored version.
+2. Winners replace what their document had: results of stages the version does not have are
+   deleted with their typed rows, its results and typed rows are upserted.
+3. Paid work is kept whoever won: cache entries, every attempt (by its own id, so a retried commit
+   adds nothing), and dead letters — a losing version's letter is born ``superseded``.
+4. Dead letters settle: a winner supersedes its document's letters at other (older) positions and
+   resolves the one at its own position when it succeeded (``replayed``); a loser supersedes its own.
+5. Claims of finished keys go; positions move forward only, last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Table,
+    any_,
+    bindparam,
+    delete,
+    func,
+    select,
+    tuple_,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
+
+from connectors.store.base import Batch, DocRef, DocumentOutcome, Version
+from connectors.store.tables import (
+    TYPED_KEY_COLUMNS,
+    dead_letters,
+    documents,
+    llm_cache,
+    llm_calls,
+    llm_claims,
+    review_queue,
+    source_positions,
+    stage_results,
+)
+from schemas import DeadLetter
+
+#: Rows per IN (...) query; keeps statements well under both backends' parameter limits.
+CHUNK = 500
+
+#: Failures of one outcome's values (not of the database): the outcome is written apart from its
+#: batch, and refused ones become ``store_rejected`` dead letters.
+_VALUE_ERRORS = (SQLAlchemyError, ValueError, TypeError, OverflowError)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A database that is restarting or unreachable: worth waiting for, not worth crashing over."""
+    return isinstance(exc, OperationalError) or (isinstance(exc, DBAPIError) and exc.connection_invalidated)
+
+
+def rejected_by_value(exc: BaseException) -> bool:
+    """The store refused a value in the batch (not: the store is away)."""
+    return isinstance(exc, _VALUE_ERRORS) and not is_transient(exc)
+
+
+def chunks(items: list[Any], size: int = CHUNK) -> Iterable[list[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def members(conn: Connection, values: list[Any], *columns: ColumnElement[Any]) -> Iterator[list[ColumnElement[bool]]]:
+    """``column IN values`` for each of ``columns``, in as few statements as it takes: one
+    ``= ANY(array)`` on PostgreSQL (one parameter however many values and columns, so the statement
+    is planned once and the values sent once), IN lists on SQLite (no arrays, limited parameters)."""
+    if not values:
+        return
+    if conn.dialect.name == "postgresql":
+        values_param = bindparam("members", values, type_=postgresql.ARRAY(columns[0].type))
+        yield [column == any_(values_param) for column in columns]
+        return
+    for chunk in chunks(values, CHUNK // len(columns)):
+        yield [column.in_(chunk) for column in columns]
+
+
+def insert(conn: Connection, table: Table) -> Any:
+    return (postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert)(table)
+
+
+def upsert(conn: Connection, table: Table, rows: list[dict[str, Any]], keys: Sequence[str],
+           changed_when: str | None) -> None:
+    """Inserts rows; on a key conflict updates the row only where ``changed_when`` differs (so a
+    redelivery rewrites nothing), or does nothing when ``changed_when`` is None."""
+    if not rows:
+        return
+    stmt = insert(conn, table)
+    if changed_when is None:
+        stmt = stmt.on_conflict_do_nothing(index_elements=list(keys))
+    else:
+        updates = {c: stmt.excluded[c] for c in rows[0] if c not in keys}
+        if "updated_at" in table.c:
+            updates["updated_at"] = func.now()
+        stmt = stmt.on_conflict_do_update(
+            index_elements=list(keys), set_=updates,
+            where=table.c[changed_when] != stmt.excluded[changed_when],
+        )
+    conn.execute(stmt, rows)
+
+
+def version(outcome: DocumentOutcome) -> Version:
+    assert outcome.document is not None  # noqa: S101 - only outcomes with a document have a version
+    p = outcome.document.position
+    return (p.stream, p.partition, p.offset)
+
+
+def _letter_row(pipeline: str, letter: DeadLetter, status: str, published: bool) -> dict[str, Any]:
+    p = letter.position
+    return {"pipeline": pipeline, "stream": p.stream, "partition": p.partition, "message_offset": p.offset,
+            **letter.model_dump(exclude={"position"}), "status": status, "published": published}
+
+
+class BatchWriter:
+    """Writes batches for one pipeline; knows where each Extract stage's typed rows live."""
+
+    def __init__(self, typed: Mapping[str, Table], stage_tables: Mapping[str, str]) -> None:
+        self.typed = typed
+        self.stage_tables = stage_tables
+
+    def write(self, conn: Connection, pipeline: str, batch: Batch) -> None:
+        latest: dict[DocRef, DocumentOutcome] = {}
+        for outcome in batch.outcomes:
+            if (doc := outcome.document) is not None:
+                held = latest.get((doc.tenant, doc.key))
+                if held is None or version(held) <= version(outcome):
+                    latest[(doc.tenant, doc.key)] = outcome
+        won = self._claim_versions(conn, pipeline, latest)
+        winners = [latest[ref] for ref in won]
+        self._replace_results(conn, pipeline, winners)
+        cache = {entry.cache_key: vars(entry) for o in batch.outcomes for entry in o.cache}
+        upsert(conn, llm_cache, list(cache.values()), ("cache_key",), None)
+        # Waiters on one failed call share its attempts: each attempt is written once, by its id.
+        calls = {c.call_id: {"pipeline": pipeline, **c.model_dump()} for o in batch.outcomes for c in o.calls}
+        upsert(conn, llm_calls, list(calls.values()), ("call_id",), None)
+        letters = self._dead_letters(conn, pipeline, batch, latest, won)
+        reviews = [
+            {"pipeline": pipeline, "tenant": o.document.tenant, "stage": stage, "doc_key": o.document.key,
+             "content": o.document.content, "output": output, "sampled_because": why}
+            for o in winners if o.document is not None for stage, output, why in o.reviews
+        ]
+        upsert(conn, review_queue, reviews, ("pipeline", "tenant", "doc_key", "stage"), None)
+        # Results and failures are durable now: nobody needs to wait on these keys any more.
+        done = sorted(set(cache) | {key for key in letters if key})
+        for (member,) in members(conn, done, llm_claims.c.cache_key):
+            conn.execute(delete(llm_claims).where(member))
+        self._positions(conn, pipeline, batch.positions)
+
+    @staticmethod
+    def _claim_versions(conn: Connection, pipeline: str, latest: dict[DocRef, DocumentOutcome]) -> set[DocRef]:
+        """Upserts each document's row where the stored version is not newer; returns the refs now
+        holding this batch's version."""
+        if not latest:
+            return set()
+        rows = []
+        for (tenant, key), outcome in latest.items():
+            doc = outcome.document
+            assert doc is not None  # noqa: S101
+            rows.append({"pipeline": pipeline, "tenant": tenant, "doc_key": key, "content_hash": doc.content_hash,
+                         "stream": doc.position.stream, "partition": doc.position.partition,
+                         "message_offset": doc.position.offset, "received_at": doc.received_at})
+        stmt = insert(conn, documents)
+        d = documents.c
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["pipeline", "tenant", "doc_key"],
+            set_={c: stmt.excluded[c] for c in ("content_hash", "stream", "partition", "message_offset",
+                                                  "received_at")},
+            where=tuple_(d.stream, d.partition, d.message_offset)
+            <= tuple_(stmt.excluded.stream, stmt.excluded.partition, stmt.excluded.message_offset),
+        ).returning(d.tenant, d.doc_key)
+        return {(tenant, key) for tenant, key in conn.execute(stmt, rows)}
+
+    def _replace_results(self, conn: Connection, pipeline: str, winners: list[DocumentOutcome]) -> None:
+        """The winners' documents get exactly their version's stages: others' results and typed
+        rows are deleted, theirs upserted."""
+        if not winners:
+            return
+        keep = {(o.document.tenant, o.document.key): set(o.stages) for o in winners if o.document is not None}
+        r = stage_results.c
+        stale_ids: list[int] = []
+        stale_typed: dict[str, list[dict[str, Any]]] = {}
+        for (member,) in members(conn, sorted({key for _, key in keep}), r.doc_key):
+            for row_id, tenant, key, stage in conn.execute(
+                    select(r.id, r.tenant, r.doc_key, r.stage).where(r.pipeline == pipeline, member)):
+                kept = keep.get((tenant, key))
+                if kept is not None and stage not in kept:
+                    stale_ids.append(row_id)
+                    if (table := self.stage_tables.get(stage)) is not None:
+                        stale_typed.setdefault(table, []).append({"p": pipeline, "t": tenant, "k": key})
+        for (member,) in members(conn, stale_ids, r.id):
+            conn.execute(delete(stage_results).where(member))
+        for name, refs in stale_typed.items():
+            table = self.typed[name]
+            conn.execute(delete(table).where(table.c.pipeline == bindparam("p"), table.c.tenant == bindparam("t"),
+                                             table.c.doc_key == bindparam("k")), refs)
+        results = [
+            {"pipeline": pipeline, "tenant": o.document.tenant, "doc_key": o.document.key, "stage": result.stage,
+             "output": result.output, **result.provenance.model_dump()}
+            for o in winners if o.document is not None for result in o.results
+        ]
+        upsert(conn, stage_results, results, ("pipeline", "tenant", "doc_key", "stage"), "cache_key")
+        typed: dict[str, list[dict[str, Any]]] = {}
+        for o in winners:
+            assert o.document is not None  # noqa: S101
+            for name, fields in o.typed_rows:
+                typed.setdefault(name, []).append(
+                    {"pipeline": pipeline, "tenant": o.document.tenant, "doc_key": o.document.key, **fields})
+        for name, rows in typed.items():
+            upsert(conn, self.typed[name], rows, TYPED_KEY_COLUMNS, "cache_key")
+
+    @staticmethod
+    def _dead_letters(conn: Connection, pipeline: str, batch: Batch, latest: dict[DocRef, DocumentOutcome],
+                      won: set[DocRef]) -> list[str | None]:
+        """Writes the batch's dead letters and settles older ones; returns the letters' cache keys."""
+        rows: dict[tuple[str, int, int], dict[str, Any]] = {}
+        superseded_at: list[dict[str, Any]] = []  # letters at a position whose version lost
+        replayed_at: list[dict[str, Any]] = []  # letters at a winner's position that now succeeded
+        older_than: list[dict[str, Any]] = []  # a winner's letters at other positions
+        for outcome in batch.outcomes:
+            doc, letter = outcome.document, outcome.dead_letter
+            ref = None if doc is None else (doc.tenant, doc.key)
+            current = ref is None or (ref in won and latest[ref] is outcome)
+            if letter is not None:
+                p = letter.position
+                rows[(p.stream, p.partition, p.offset)] = _letter_row(
+                    pipeline, letter, "open" if current else "superseded", published=not batch.outbox)
+            if doc is None or not outcome.settles_dead_letters:
+                continue
+            at = {"p": pipeline, "s": doc.position.stream, "pa": doc.position.partition, "o": doc.position.offset,
+                  "t": doc.tenant, "k": doc.key}
+            if not current:
+                superseded_at.append(at)
+                continue
+            older_than.append(at)
+            if letter is None:
+                replayed_at.append(at)
+        if rows:
+            # A message that fails again (a replay) keeps one dead letter, with the latest reason; a
+            # letter already published is not published again.
+            stmt = insert(conn, dead_letters)
+            stmt = stmt.on_conflict_do_update(
+                index_elements=["pipeline", "stream", "partition", "message_offset"],
+                set_={c: stmt.excluded[c] for c in ("tenant", "doc_key", "stage", "cache_key", "reason", "detail",
+                                                    "raw_output", "status")},
+            )
+            conn.execute(stmt, list(rows.values()))
+        c = dead_letters.c
+        at_position = ((c.pipeline == bindparam("p")) & (c.stream == bindparam("s"))
+                       & (c.partition == bindparam("pa")) & (c.message_offset == bindparam("o")))
+        for status, params, where in (
+            ("superseded", superseded_at, at_position),
+            ("replayed", replayed_at, at_position),
+            ("superseded", older_than, (c.pipeline == bindparam("p")) & (c.tenant == bindparam("t"))
+             & (c.doc_key == bindparam("k")) & ~(tuple_(c.stream, c.partition, c.message_offset)
+                                                 == tuple_(bindparam("s"), bindparam("pa"), bindparam("o")))),
+        ):
+            if params:
+                conn.execute(update(dead_letters).where(where, c.status == "open").values(status=status), params)
+        return [row["cache_key"] for row in rows.values()]
+
+    @staticmethod
+    def _positions(conn: Connection, pipeline: str, positions: Mapping[tuple[str, int], int]) -> None:
+        if not positions:
+            return
+        rows = [{"pipeline": pipeline, "stream": stream, "partition": partition, "next_offset": offset}
+                for (stream, partition), offset in positions.items()]
+        # Positions only move forward: a deliberate replay from 0 must not rewind them.
+        stmt = insert(conn, source_positions)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["pipeline", "stream", "partition"],
+            set_={"next_offset": stmt.excluded.next_offset, "updated_at": func.now()},
+            where=source_positions.c.next_offset < stmt.excluded.next_offset,
+        )
+        conn.execute(stmt, rows)
+
+
+def rejected(outcome: DocumentOutcome, error: BaseException, *, keep_paid_work: bool) -> DocumentOutcome:
+    """What is written instead of an outcome the store refused: its dead letter (reason
+    ``store_rejected``, the original bytes), and, when they can be stored, its attempts and
+    cache entries. The document's older results are superseded like any newer version's."""
+    detail = f"the store refused this document: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
+    detail = detail.replace("\x00", "")
+    doc = outcome.document
+    first = outcome.results[0] if outcome.results else None
+    if doc is None:
+        held = outcome.dead_letter
+        assert held is not None  # noqa: S101 - a document-less outcome is a dead letter
+        letter = held.model_copy(update={"reason": "store_rejected", "detail": detail, "raw_output": None})
+    else:
+        letter = DeadLetter(
+            position=doc.position, reason="store_rejected", detail=detail, payload=outcome.payload,
+            tenant=doc.tenant, doc_key=doc.key,
+            stage=first.stage if first else (outcome.dead_letter.stage if outcome.dead_letter else None),
+            cache_key=first.provenance.cache_key if first else (
+                outcome.dead_letter.cache_key if outcome.dead_letter else None))
+    return DocumentOutcome(
+        document=doc if keep_paid_work else None, dead_letter=letter, settles_dead_letters=True,
+        calls=outcome.calls if keep_paid_work else (), cache=outcome.cache if keep_paid_work else (),
+        payload=outcome.payload)
+
+
+def write_apart(begin: Callable[[], Any], write: Callable[[Connection, Batch], None], batch: Batch) -> int:
+    """Writes a refused batch's outcomes one transaction each, a refused one as its dead letter
+    (with its paid work if that can be stored, else alone), then the positions; returns how many
+    were refused. Raises if even a bare dead letter cannot be written: the store, not the data,
+    is at fault then."""
+    refused = 0
+    for outcome in batch.outcomes:
+        error: BaseException | None = None
+        for attempt in (outcome, "with paid work", "alone"):
+            if error is not None:
+                attempt = rejected(outcome, error, keep_paid_work=attempt == "with paid work")
+            assert isinstance(attempt, DocumentOutcome)  # noqa: S101
+            try:
+                with begin() as conn:
+                    write(conn, Batch(outcomes=[attempt], outbox=batch.outbox))
+                break
+            except Exception as exc:
+                if not rejected_by_value(exc) or attempt.document is None and error is not None:
+                    raise  # the store is away, or refuses even a bare dead letter
+                refused += error is None
+                error = error or exc
+    with begin() as conn:
+        write(conn, Batch(positions=batch.positions))
+    return refused
