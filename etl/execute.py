@@ -245,7 +245,8 @@ class Executor:
             entry = lookup.cache.get(key)
             # A cached answer the stage's checks now refuse is asked again (without claims: a cached
             # key cannot be claimed); re-validating never stops a run.
-            fresh = entry is not None and _revalidated(stage, entry.output) is None
+            fresh = (stored is not None and stored[0] == key) or (
+                entry is not None and _revalidated(stage, entry.output) is None)
             entry = None if fresh else entry
             shared = entry is not None
             computed: Computed | None = None
