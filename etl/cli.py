@@ -170,6 +170,7 @@ def _summary(name: str, url: str, stats: Any) -> None:
         ("stage runs", f"{stats.stage_runs}"),
         ("  already stored (no-op)", f"{stats.stored_hits}"),
         ("  from cache", f"{stats.cache_hits}"),
+        ("older versions (no-op)", f"{stats.older_versions}"),
         ("LLM calls", f"{stats.llm_calls}"),
         ("cache hit rate", f"{stats.hit_rate:.1%}"),
         ("results written", f"{stats.results_written}"),
