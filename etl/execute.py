@@ -395,9 +395,7 @@ class Executor:
                                                   "retry" if exc.retryable else "failed", 0, 0, 0.0,
                                                   (time.perf_counter() - t0) * 1000, error=exc.reason))
                         raise
-                    if not response.latency_ms:
-                        response = dataclasses.replace(response, latency_ms=(time.perf_counter() - t0) * 1000)
-                    return response
+                    return _within_columns(response, (time.perf_counter() - t0) * 1000)
         except LLMError:
             if calls and calls[-1].outcome == "retry":  # retries ran out: that attempt ended the stage
                 calls[-1] = calls[-1].model_copy(update={"outcome": "failed"})
@@ -421,6 +419,17 @@ class Executor:
         return DocumentOutcome(document=document, results=tuple(work.results), stages=tuple(work.stages),
                                typed_rows=tuple(work.typed), calls=tuple(work.calls), cache=tuple(work.cache),
                                dead_letter=letter, settles_dead_letters=settles, payload=payload)
+
+
+def _within_columns(response: LLMResponse, latency_ms: float) -> LLMResponse:
+    """The provider's own metadata cut to what the store's columns hold (a model name of 400
+    characters must not quarantine a document), and the latency measured here if it gave none."""
+    extra = dict(response.extra)
+    for name, limit in (("structured", 20), ("system_fingerprint", 200)):
+        if isinstance(extra.get(name), str):
+            extra[name] = extra[name][:limit].replace("\x00", "")
+    return dataclasses.replace(response, model=str(response.model)[:300].replace("\x00", ""), extra=extra,
+                               latency_ms=response.latency_ms or latency_ms)
 
 
 def _revalidated(stage: Stage, output: dict[str, Any]) -> BaseModel | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -149,25 +150,35 @@ async def test_case2_answers_the_store_would_reject_are_dead_letters(store_url: 
     assert state(store_url)["stages"]["huge-count"] == {"kind"}  # the earlier stage's paid work is kept
 
 
+class Priced(BaseModel):
+    price: Decimal
+
+
 class LongModelName(FakeLLM):
-    """Answers as a provider that reports a model name longer than the store's column, for one text."""
+    """A provider that reports a model name longer than the store's column."""
 
     async def generate(self, request: LLMRequest) -> LLMResponse:
         response = await super().generate(request)
-        if "reject me" in text_of(request):
-            return LLMResponse(text=response.text, model="m" * 400, tokens_in=1, tokens_out=1)
-        return response
+        return LLMResponse(text=response.text, model="m" * 400, tokens_in=1, tokens_out=1)
 
 
 async def test_case2_a_document_the_store_refuses_is_quarantined_alone(postgres_url: str) -> None:
+    """A finite Decimal PostgreSQL's numeric cannot hold passes every check: the store refuses that
+    document's row, and only it is quarantined (store_rejected), with its attempts kept."""
     docs = [{"id": f"d{i}", "text": "reject me" if i == 3 else f"fine {i}"} for i in range(8)]
-    p = Pipeline("alone", ListSource(docs), [Classify(LABELS, "Pick.", name="kind")], store=postgres_url)
-    stats = await run_pipeline(p, llm=LongModelName(labelled({})))
+
+    def answer(request: LLMRequest) -> Any:
+        return '{"price": "1E+200000"}' if "reject me" in text_of(request) else {"price": "2.50"}
+
+    p = Pipeline("alone", ListSource(docs), [Extract(Priced, "Price.")], store=postgres_url)
+    stats = await run_pipeline(p, llm=LongModelName(answer))
     assert stats.messages == 8
     assert rows(postgres_url, "SELECT doc_key, reason FROM dead_letters") == [("d3", "store_rejected")]
-    assert counts(postgres_url)["stage_results"] == 7
+    assert counts(postgres_url)["stage_results"] == 7 and counts(postgres_url, ("priced",))["priced"] == 7
+    assert rows(postgres_url, "SELECT count(*) FROM llm_calls WHERE doc_key = 'd3'") == [(1,)]  # paid work kept
+    assert {len(m) for (m,) in rows(postgres_url, "SELECT DISTINCT model FROM llm_calls")} == {300}
     assert rows(postgres_url, "SELECT next_offset FROM source_positions") == [(8,)]
-    again = LongModelName(labelled({}))
+    again = LongModelName(answer)
     await run_pipeline(Pipeline("alone", ListSource(docs), p.stages, store=postgres_url), llm=again)
     assert again.calls == []
 
