@@ -128,7 +128,13 @@ async def test_same_pipeline_on_local_model_and_on_llama_cpp_server(llm: LocalLL
     for backend in (llm, server):
         url = f"sqlite:///{tmp_path}/{type(backend).__name__}.db"
         stats = await run_pipeline(Pipeline("same", ListSource(docs), stages, store=url), llm=backend)
-        assert stats.results_written == 4 and stats.dead_letters == 0, (type(backend).__name__, stats)
+        # Every stage run ends as a schema-valid result or a typed dead letter. The label is an enum
+        # both constrain exactly; the receipt's max_length is not in llama.cpp's grammar, so the
+        # 135M model sometimes overruns it there (seen on some CPUs): quarantine, never a bad row.
+        letters = rows(url, "SELECT reason FROM dead_letters")
+        assert stats.results_written + len(letters) == 4 and stats.messages == 2, (type(backend).__name__, stats)
+        assert {r for (r,) in letters} <= {"schema_invalid", "truncated"}
+        assert rows(url, "SELECT count(*) FROM stage_results WHERE stage = 'kind'") == [(2,)]
         for stage, output in rows(url, "SELECT stage, output FROM stage_results"):
             (Receipt if stage == "receipt" else stages[0].output_model).model_validate_json(output)
         structured = {s for (s,) in rows(url, "SELECT DISTINCT structured FROM stage_results")}
