@@ -30,7 +30,7 @@ from sqlalchemy import Column, Integer, MetaData, String, Table, create_engine, 
 from etl import Classify, KafkaSource, Pipeline
 from etl.llm.base import LLMRequest
 from etl.log import configure
-from etl.run import build_runner
+from etl.runtime.wiring import build_runner
 from etl.settings import Settings
 from etl.testing import FakeLLM, lognormal
 

@@ -7,7 +7,6 @@ from etl import Pipeline, Classify, Extract, label_in
 
 from connectors.sources import DirectorySource, JsonlSource, ListSource, Source
 from connectors.sources.kafka import KafkaSource
-from etl.decode import Decoder
 from etl.errors import (
     BadInput,
     BudgetExceeded,
@@ -26,8 +25,9 @@ from etl.errors import (
 )
 from etl.llm import LLM, LLMRequest, LLMResponse, LocalLLM, OpenAICompatibleLLM
 from etl.pipeline import Pipeline, load_pipeline
-from etl.run import run_pipeline
-from etl.runner import RunStats
+from etl.runtime.decode import Decoder
+from etl.runtime.stats import RunStats
+from etl.runtime.wiring import run_pipeline
 from etl.settings import Settings
 from etl.stages import Classify, Extract, Stage, label_in
 from etl.validators import Check, date_parses, non_negative, not_empty

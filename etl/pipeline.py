@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from connectors.sources import Source, source_for_path
-from etl.decode import Decoder
+from etl.runtime.decode import Decoder
 from etl.errors import ConfigError
 from etl.llm.base import LLM
 from etl.stages import Classify, Extract, LabelIn, Stage

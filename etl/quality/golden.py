@@ -17,14 +17,14 @@ from typing import Any
 from sqlalchemy import Engine, insert, select
 
 from connectors.store.sql import migrate as upgrade_schema
-from connectors.store.write import upsert
 from connectors.store.tables import eval_results, eval_runs, golden_examples, llm_calls
+from connectors.store.write import upsert
 from dedup import content_hash
 from etl.errors import ConfigError
-from etl.execute import Executor, StageFailed, StagePlan
 from etl.llm.base import LLM
 from etl.pipeline import Pipeline
 from etl.quality.scoring import classification_scores, extraction_scores
+from etl.runtime.execute import ModelCalls, StageFailed, StagePlan
 from etl.stages import Classify
 from schemas import Document, Position
 
@@ -73,7 +73,7 @@ async def evaluate(engine: Engine, pipeline: Pipeline, llm: LLM, stage_name: str
         for example in examples:
             by_tenant.setdefault(example["tenant"], []).append(example)
         plan = StagePlan.of(stage, llm)
-        executor = Executor(lambda _tenant, plans=[plan]: plans, repairs=1)
+        calls = ModelCalls(repairs=1)
         gate = asyncio.Semaphore(concurrency)
 
         async def answer(example: dict[str, Any]) -> tuple[dict[str, Any] | None, list[Any], str | None]:
@@ -82,7 +82,7 @@ async def evaluate(engine: Engine, pipeline: Pipeline, llm: LLM, stage_name: str
                            position=Position(stream="golden", offset=example["id"]))
             async with gate:
                 try:
-                    computed = await executor.compute_fresh(plan, doc)
+                    computed = await calls.compute(plan, doc)
                     return computed.entry.output, computed.calls, None
                 except StageFailed as failed:
                     return None, failed.calls, failed.reason

@@ -20,9 +20,9 @@ from connectors.sources.dead_letters import DeadLetterSource
 from connectors.store import Batch, DocumentOutcome, SqlStore, make_engine
 from dedup import content_hash
 from etl import Classify, Decoder, Extract, Pipeline, label_in, non_negative, run_pipeline
-from etl.execute import StagePlan
+from etl.runtime.execute import StagePlan
 from etl.llm.base import LLMRequest, LLMResponse
-from etl.run import build_runner
+from etl.runtime.wiring import build_runner
 from etl.testing import FakeLLM, ListSource
 from etl.validators import Check, date_parses
 from schemas import CallRecord, DeadLetter, Position

@@ -171,7 +171,7 @@ async def test_transient_failures_are_retried_and_every_attempt_recorded(sqlite_
 
 @pytest.mark.parametrize("in_flight", [1, 64])
 async def test_results_do_not_depend_on_concurrency(in_flight: int, sqlite_url: str) -> None:
-    from etl.run import build_runner
+    from etl.runtime.wiring import build_runner
     from etl.settings import Settings
 
     docs = corpus(150, duplicate_share=0.3)

@@ -8,7 +8,7 @@ import json
 import time
 
 from etl import Classify, KafkaSource, Pipeline
-from etl.run import build_runner
+from etl.runtime.wiring import build_runner
 from etl.settings import Settings
 from etl.testing import FakeLLM, ListSource
 from tests.helpers import counts, end_offsets, produce, read_all, rows
@@ -96,7 +96,7 @@ async def test_two_workers_share_one_call_for_a_hot_duplicate(postgres_url: str)
 async def test_a_crashed_claimers_lease_expires(postgres_url: str) -> None:
     from connectors.store import SqlStore
     from dedup import cache_key
-    from etl.execute import StagePlan
+    from etl.runtime.execute import StagePlan
 
     llm = FakeLLM()
     p = Pipeline("lease", ListSource([{"id": "1", "text": "stuck?"}]), [Classify(LABELS, "Route.")], store=postgres_url)

@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field
 from etl import Extract, Pipeline
 from etl.fault_server import FaultServer
 from etl.llm.openai_compat import OpenAICompatibleLLM
-from etl.run import build_runner
+from etl.runtime.wiring import build_runner
 from etl.settings import Settings
 from etl.testing import ListSource
 from etl.validators import non_negative

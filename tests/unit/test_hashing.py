@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from dedup import cache_key, canonical_json, content_hash, normalize_content
 from etl import Classify, Extract
-from etl.execute import StagePlan
+from etl.runtime.execute import StagePlan
 from etl.testing import FakeLLM
 from schemas import Document, Position
 

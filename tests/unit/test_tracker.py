@@ -1,6 +1,6 @@
 """Only the contiguous low-watermark is ever committed, whatever order work finishes in."""
 
-from etl.tracker import OffsetTracker
+from etl.runtime.tracker import OffsetTracker
 from schemas import Position
 
 

@@ -17,7 +17,7 @@ Fetch = Callable[[list[str]], Awaitable[dict[str, Any]]]
 
 
 class StorePeers:
-    """The executor's :class:`etl.execute.Peers`, on a :class:`SqlStore` shared by every worker."""
+    """The executor's :class:`etl.runtime.execute.Peers`, on a :class:`SqlStore` shared by every worker."""
 
     def __init__(self, call: StoreCall, store: SqlStore, pipeline: str, worker_id: str, lease_s: float) -> None:
         self._call = call  # the runner's store call: its thread pool, its retries of restarts

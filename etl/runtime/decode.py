@@ -100,9 +100,15 @@ class Decoder(BaseModel):
         if tenant is None:
             raise BadInput(f"no tenant ({self.tenant_from}) and no default tenant is configured")
         fields.pop(self.content_field, None)  # the content travels on its own
-        content = normalize_content(_checked("the content", content))
-        return Decoded(_checked("the tenant", tenant, MAX_TENANT), _checked("the document key", key, MAX_KEY),
-                       content, sha256_hex(content), fields)  # content_hash, normalized once
+        probe = tenant + key + content
+        if "\x00" in probe or not probe.isascii() or len(tenant) > MAX_TENANT or len(key) > MAX_KEY:
+            # Rare: say which of them the store could not hold (one look at all three first, since
+            # this runs for every message of every replay).
+            _checked("the content", content)
+            _checked("the tenant", tenant, MAX_TENANT)
+            _checked("the document key", key, MAX_KEY)
+        content = normalize_content(content)
+        return Decoded(tenant, key, content, sha256_hex(content), fields)  # content_hash, normalized once
 
     def _key(self, message: Message, fields: dict[str, Any]) -> str:
         key = fields.get(self.key_field)

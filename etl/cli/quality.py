@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import typer
 from sqlalchemy import Engine, select, text, update
 
-from etl.cli_support import DbOption, PipelineArg, fail, out, safe_url, table_of
+from etl.cli.support import DbOption, PipelineArg, fail, out, safe_url, table_of
 from etl.errors import EtlError
 from etl.settings import Settings
 
@@ -22,7 +22,7 @@ TenantOption = Annotated[str | None, typer.Option(help="Only this tenant.")]
 
 def _engine(db: str | None, pipeline: Any = None) -> tuple[Engine, str]:
     from connectors.store import make_engine, upgrade  # noqa: PLC0415
-    from etl.run import database_url  # noqa: PLC0415
+    from etl.runtime.wiring import database_url  # noqa: PLC0415
 
     url = db or database_url(pipeline, Settings())
     engine = make_engine(url)
@@ -62,7 +62,7 @@ def evaluate(pipeline: PipelineArg, stage: Annotated[str | None, typer.Option(he
     The model is asked afresh (no cache); every attempt is costed under '<pipeline>#eval'."""
     from etl.pipeline import load_pipeline  # noqa: PLC0415
     from etl.quality.golden import evaluate as run_eval  # noqa: PLC0415
-    from etl.run import default_llm  # noqa: PLC0415
+    from etl.runtime.wiring import default_llm  # noqa: PLC0415
 
     try:
         loaded = load_pipeline(pipeline)

@@ -6,101 +6,33 @@ Pure of store I/O: it reads a :class:`Lookup` made before the batch and returns 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from pydantic import BaseModel
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    retry_if_exception,
-    stop_after_attempt,
-    stop_after_delay,
-    wait_random_exponential,
-)
 
 from connectors.store import CacheEntry, DocumentOutcome, Lookup
-from dedup import SingleFlight, cache_key, cache_keys, canonical_json, sha256_hex, stage_fingerprint
-from etl.decode import Decoded
-from etl.errors import BudgetExceeded, EtlError, LLMError, OutputError, SchemaInvalid, SemanticInvalid, StageError
-from etl.llm.base import LLM, LLMRequest, LLMResponse
+from dedup import SingleFlight, cache_keys
 from etl.log import get_logger
+from etl.runtime.calls import (
+    Computed,
+    ModelCalls,
+    Peers,
+    StageFailed,
+    StagePlan,
+    record,
+)
+from etl.runtime.decode import Decoded
 from etl.stages import Extract, Stage
-from etl.tenancy import ReviewSampling, TenantBudgets
+from etl.tenancy import ReviewSampling
 from schemas import CallRecord, DeadLetter, Document, Provenance, StageResult
 
+__all__ = ["Computed", "Executor", "ModelCalls", "Peers", "StageFailed", "StagePlan", "Tally"]
 
-log = get_logger("etl.execute")
-_backoff = wait_random_exponential(multiplier=0.5, max=10)
-
-
-def _wait_for_provider(state: RetryCallState) -> float:
-    """The provider's Retry-After when it gave one, else exponential backoff with jitter."""
-    error = state.outcome.exception() if state.outcome else None
-    retry_after = getattr(error, "retry_after", None)
-    return float(retry_after) if retry_after is not None else _backoff(state)
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """A stage with the hashes that identify its outputs, computed once per run."""
-
-    stage: Stage
-    fingerprint: str
-    prompt_hash: str
-    schema_hash: str
-    llm: LLM
-
-    @classmethod
-    def of(cls, stage: Stage, llm: LLM, repairs: int = 1) -> StagePlan:
-        """``repairs``: re-asks after an invalid answer, which decide what ends up valid."""
-        spec = {**stage.spec(), "model": llm.model_id, "params": llm.params, "repairs": repairs}
-        return cls(
-            stage=stage,
-            llm=llm,
-            fingerprint=stage_fingerprint(spec),
-            prompt_hash=sha256_hex(canonical_json([spec["system"], spec["user"]])),
-            schema_hash=sha256_hex(canonical_json(spec["schema"])),
-        )
-
-    def key(self, document: Decoded | Document) -> str:
-        return cache_key(document.tenant, self.fingerprint, document.content_hash)
-
-
-@dataclass
-class Computed:
-    """A validated output: fresh, with every attempt it took, or made by another worker."""
-
-    entry: CacheEntry
-    calls: list[CallRecord]
-    attempts: int
-    latency_ms: float
-    from_peer: bool = False
-
-
-class Peers(Protocol):
-    """Single-flight across workers on one store (see :class:`dedup.Claims`)."""
-
-    async def claim(self, key: str) -> bool:
-        """True if this worker may call the model for ``key`` now."""
-
-    async def cached(self, key: str) -> CacheEntry | None:
-        """The committed output for ``key``, if any worker has committed one."""
-
-
-class StageFailed(EtlError):
-    """A stage ended without a valid output; carries the attempts made, for cost accounting."""
-
-    def __init__(self, error: EtlError, calls: list[CallRecord]) -> None:
-        super().__init__(str(error))
-        self.error = error
-        self.calls = calls
-        self.reason = error.reason
+log = get_logger("etl.runtime.execute")
 
 
 @dataclass
@@ -117,21 +49,16 @@ class Tally:
 class Executor:
     """Runs the stages of a pipeline for one document at a time (many concurrently)."""
 
-    def __init__(self, plans_for: Callable[[str], Sequence[StagePlan]], peers: Peers | None = None,
-                 max_attempts: int = 4, max_retry_s: float = 60.0, repairs: int = 1, retry_dead_letters: bool = False,
-                 budgets: TenantBudgets | None = None, review: ReviewSampling | None = None) -> None:
+    def __init__(self, plans_for: Callable[[str], Sequence[StagePlan]], calls: ModelCalls | None = None,
+                 retry_dead_letters: bool = False, review: ReviewSampling | None = None) -> None:
         #: The stages a tenant runs, each with its model and hashes (tenant overrides included).
         self.plans_for = plans_for
-        self.peers = peers
-        self.budgets = budgets
+        self.calls = calls or ModelCalls()
         self.review = review
         #: (tenant, stage, label) already sampled as a first sighting (loaded by the runner).
         self.seen_labels: set[tuple[str, str, str]] = set()
         self.flights: SingleFlight[Computed] = SingleFlight()
         self._tenants: dict[str, tuple[list[str], list[str], bool]] = {}
-        self.max_attempts = max_attempts
-        self.max_retry_s = max_retry_s
-        self.repairs = repairs
         #: ``etl dlq replay``: quarantined documents are retried instead of being no-ops.
         self.retry_dead_letters = retry_dead_letters
 
@@ -251,7 +178,8 @@ class Executor:
             shared = entry is not None
             computed: Computed | None = None
             if entry is None:
-                compute = functools.partial(self._compute if fresh else self._claim_or_wait, plan, document, key)
+                compute = functools.partial(self.calls.compute if fresh else self.calls.claim_or_wait, plan, document,
+                                            key)
                 try:
                     computed, shared = await self.flights.do(key, compute)
                 except StageFailed as failed:
@@ -270,8 +198,8 @@ class Executor:
             if shared:
                 tally.cache_hits += 1
                 tally.saved_cost += entry.cost
-                work.calls.append(self._record(document, stage.name, key, entry.model, "cache_hit",
-                                               entry.tokens_in, entry.tokens_out, entry.cost, 0.0))
+                work.calls.append(record(document, stage.name, key, entry.model, "cache_hit",
+                                         entry.tokens_in, entry.tokens_out, entry.cost, 0.0))
                 attempts, latency = 0, 0.0
             else:
                 assert computed is not None  # noqa: S101 - only a fresh computation is unshared
@@ -304,111 +232,6 @@ class Executor:
                                typed_rows=tuple(work.typed), calls=tuple(work.calls), cache=tuple(work.cache),
                                settles_dead_letters=settles, reviews=tuple(work.reviews), payload=payload)
 
-    async def _claim_or_wait(self, plan: StagePlan, document: Document, key: str) -> Computed:
-        """Calls the model only while holding the key's claim; otherwise waits for the holder's
-        committed result (or for its lease to lapse, if it crashed)."""
-        if self.peers is None:
-            return await self._compute(plan, document, key)
-        delay = 0.05
-        while True:
-            # A claim is refused for a key that is already cached, so winning one means computing.
-            if await self.peers.claim(key):
-                return await self._compute(plan, document, key)
-            entry = await self.peers.cached(key)
-            if entry is not None:
-                return Computed(entry=entry, calls=[], attempts=0, latency_ms=0.0, from_peer=True)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
-
-    async def compute_fresh(self, plan: StagePlan, document: Document) -> Computed:
-        """An answer from the model itself, bypassing the cache and claims (what an eval measures)."""
-        return await self._compute(plan, document, plan.key(document))
-
-    async def _compute(self, plan: StagePlan, document: Document, key: str) -> Computed:
-        """Asks the model, retrying transient failures and re-asking (``repairs`` times) after an
-        invalid answer, and validates the final answer in layers. Every attempt becomes a call
-        record. Raises StageFailed with the typed reason of the last failure."""
-        stage = plan.stage
-        request = LLMRequest(messages=stage.render(document), json_schema=stage.llm_schema(), max_tokens=stage.max_tokens)
-        calls: list[CallRecord] = []
-        started = time.perf_counter()
-        repairs_left = self.repairs
-        try:
-            while True:
-                if self.budgets is not None and not await self.budgets.allows(document.tenant):
-                    raise BudgetExceeded(f"tenant {document.tenant!r} spent its daily token budget")
-                response = await self._call(plan.llm, request, document, stage.name, key, calls)
-                if self.budgets is not None:
-                    self.budgets.spend(document.tenant, response.tokens_in + response.tokens_out)
-                cost = plan.llm.cost(response.tokens_in, response.tokens_out)
-                record = functools.partial(self._record, document, stage.name, key, response.model,
-                                           tokens_in=response.tokens_in, tokens_out=response.tokens_out, cost=cost,
-                                           latency_ms=response.latency_ms)
-                try:
-                    output = stage.parse(response)
-                except (SchemaInvalid, SemanticInvalid) as exc:
-                    if repairs_left > 0:
-                        repairs_left -= 1
-                        calls.append(record("repair", error=exc.reason))
-                        request = stage.repair(request, response.text, str(exc))
-                        continue
-                    calls.append(record("failed", error=exc.reason))
-                    raise
-                except OutputError as exc:
-                    calls.append(record("failed", error=exc.reason))
-                    raise
-                calls.append(record("ok"))
-                break
-        except EtlError as exc:
-            raise StageFailed(exc, calls) from exc
-        except Exception as exc:  # a validator or a backend raised something of its own
-            raise StageFailed(StageError(f"{type(exc).__name__}: {str(exc)[:300]}"), calls) from exc
-        spent_in = sum(c.tokens_in for c in calls)
-        spent_out = sum(c.tokens_out for c in calls)
-        entry = CacheEntry(
-            cache_key=key, tenant=document.tenant, stage=stage.name, fingerprint=plan.fingerprint,
-            output=output.model_dump(mode="json"), model=response.model, tokens_in=spent_in, tokens_out=spent_out,
-            cost=sum(c.cost for c in calls), structured=response.extra.get("structured"),
-            system_fingerprint=response.extra.get("system_fingerprint"),
-        )
-        return Computed(entry=entry, calls=calls, attempts=len(calls),
-                        latency_ms=(time.perf_counter() - started) * 1000)
-
-    async def _call(self, llm: LLM, request: LLMRequest, document: Document, stage: str, key: str,
-                    calls: list[CallRecord]) -> LLMResponse:
-        """One answer from the model, retrying only what ``retryable`` says can succeed later,
-        waiting as long as the provider's Retry-After asks, within the attempt and time caps."""
-        retrying = AsyncRetrying(
-            retry=retry_if_exception(lambda e: isinstance(e, LLMError) and e.retryable),
-            stop=stop_after_attempt(self.max_attempts) | stop_after_delay(self.max_retry_s),
-            wait=_wait_for_provider,
-            reraise=True,
-        )
-        try:
-            async for attempt in retrying:
-                with attempt:
-                    t0 = time.perf_counter()
-                    try:
-                        response = await llm.generate(request)
-                    except LLMError as exc:
-                        calls.append(self._record(document, stage, key, llm.model_id,
-                                                  "retry" if exc.retryable else "failed", 0, 0, 0.0,
-                                                  (time.perf_counter() - t0) * 1000, error=exc.reason))
-                        raise
-                    return _within_columns(response, (time.perf_counter() - t0) * 1000)
-        except LLMError:
-            if calls and calls[-1].outcome == "retry":  # retries ran out: that attempt ended the stage
-                calls[-1] = calls[-1].model_copy(update={"outcome": "failed"})
-            raise
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    @staticmethod
-    def _record(document: Document, stage: str, key: str, model: str, outcome: Any, tokens_in: int,
-                tokens_out: int, cost: float, latency_ms: float, error: str | None = None) -> CallRecord:
-        return CallRecord(tenant=document.tenant, stage=stage, doc_key=document.key, cache_key=key, model=model,
-                          outcome=outcome, tokens_in=tokens_in, tokens_out=tokens_out, cost=cost,
-                          latency_ms=latency_ms, error=error)
-
     @staticmethod
     def _dead(document: Document, payload: bytes, stage: str | None, key: str | None, reason: str, detail: str,
               raw: str | None, work: _Work, settles: bool) -> DocumentOutcome:
@@ -419,17 +242,6 @@ class Executor:
         return DocumentOutcome(document=document, results=tuple(work.results), stages=tuple(work.stages),
                                typed_rows=tuple(work.typed), calls=tuple(work.calls), cache=tuple(work.cache),
                                dead_letter=letter, settles_dead_letters=settles, payload=payload)
-
-
-def _within_columns(response: LLMResponse, latency_ms: float) -> LLMResponse:
-    """The provider's own metadata cut to what the store's columns hold (a model name of 400
-    characters must not quarantine a document), and the latency measured here if it gave none."""
-    extra = dict(response.extra)
-    for name, limit in (("structured", 20), ("system_fingerprint", 200)):
-        if isinstance(extra.get(name), str):
-            extra[name] = extra[name][:limit].replace("\x00", "")
-    return dataclasses.replace(response, model=str(response.model)[:300].replace("\x00", ""), extra=extra,
-                               latency_ms=response.latency_ms or latency_ms)
 
 
 def _revalidated(stage: Stage, output: dict[str, Any]) -> BaseModel | None:

@@ -11,7 +11,8 @@ from etl.errors import ConfigError, SourceError
 from etl.llm.base import LLM
 from etl.metrics import Metrics
 from etl.pipeline import Pipeline
-from etl.runner import Runner, RunStats
+from etl.runtime.runner import Runner
+from etl.runtime.stats import RunStats
 from etl.settings import Settings
 
 

@@ -14,12 +14,12 @@ import typer
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from etl.cli_support import DbOption, PipelineArg, console, out, table_of
-from etl.cli_support import fail as _fail
-from etl.cli_support import safe_url as _safe
+from etl.cli.quality import register as register_quality
+from etl.cli.support import DbOption, PipelineArg, console, out, table_of
+from etl.cli.support import fail as _fail
+from etl.cli.support import safe_url as _safe
 from etl.errors import EtlError
 from etl.log import configure
-from etl.quality.cli import register as register_quality
 from etl.settings import Settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="idem-etl: idempotent LLM batch ETL.")
@@ -96,7 +96,7 @@ def _run(pipeline: str, db: str | None, metrics_port: int | None, stop_when_idle
          replay: bool, since: datetime | None, dead_letters: str | None = None) -> None:
     from etl.metrics import Metrics, serve  # noqa: PLC0415
     from etl.pipeline import load_pipeline  # noqa: PLC0415
-    from etl.run import build_runner, database_url, replay_source  # noqa: PLC0415
+    from etl.runtime.wiring import build_runner, database_url, replay_source  # noqa: PLC0415
 
     settings = Settings()
     configure(settings.log_level, settings.log_json)
@@ -198,7 +198,7 @@ def status(
     name, ends = pipeline, None
     if pipeline is not None and (pipeline.endswith(".py") or ":" in pipeline):
         from etl.pipeline import load_pipeline  # noqa: PLC0415
-        from etl.run import database_url, topic_end_offsets  # noqa: PLC0415
+        from etl.runtime.wiring import database_url, topic_end_offsets  # noqa: PLC0415
 
         try:
             loaded = load_pipeline(pipeline)

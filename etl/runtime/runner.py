@@ -21,64 +21,47 @@ import functools
 import gc
 import time
 import uuid
-from datetime import date, datetime, timezone
 from collections.abc import Callable, Collection, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import date, datetime, timezone
 from typing import Any, TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception,
+    stop_after_delay,
+    wait_exponential,
+)
 
 from connectors.sources import Message, PartitionKey
-from connectors.store import Batch, DocRef, DocumentOutcome, Lookup, SqlStore, Store, is_transient
-from etl.decode import Decoded
+from connectors.store import (
+    Batch,
+    DocRef,
+    DocumentOutcome,
+    Lookup,
+    SqlStore,
+    Store,
+    is_transient,
+)
 from etl.errors import BadInput, ConfigError, SourceError, StoreError
-from etl.execute import Executor, StagePlan, Tally
 from etl.llm.base import LLM
 from etl.log import get_logger
 from etl.metrics import Metrics
-from etl.peers import StorePeers
 from etl.pipeline import Pipeline
+from etl.runtime.decode import Decoded
+from etl.runtime.execute import Executor, ModelCalls, StagePlan, Tally
+from etl.runtime.peers import StorePeers
+from etl.runtime.stats import RunStats
+from etl.runtime.tracker import OffsetTracker
 from etl.settings import Settings
 from etl.tenancy import TenantBudgets
-from etl.tracker import OffsetTracker
 from schemas import DeadLetter, Document, Position
 
 T = TypeVar("T")
 F = TypeVar("F", bound="asyncio.Future[Any]")
-log = get_logger("etl.runner")
-
-
-@dataclass
-class RunStats:
-    """Counts for one run; what the progress bar, the metrics and the summary table show."""
-
-    messages: int = 0
-    stage_runs: int = 0
-    stored_hits: int = 0
-    cache_hits: int = 0
-    llm_calls: int = 0
-    results_written: int = 0
-    dead_letters: int = 0
-    #: Messages holding an older version of a document the store has a newer version of: no-ops.
-    older_versions: int = 0
-    saved_cost: float = 0.0
-    in_flight: int = 0
-    started: float = 0.0
-    elapsed_s: float = 0.0
-
-    @property
-    def hit_rate(self) -> float:
-        """Share of stage runs served without a model call (stored results, cache, single-flight)."""
-        return (self.stored_hits + self.cache_hits) / self.stage_runs if self.stage_runs else 0.0
-
-    def add(self, tally: Tally) -> None:
-        self.stage_runs += tally.stage_runs
-        self.stored_hits += tally.stored_hits
-        self.cache_hits += tally.cache_hits
-        self.llm_calls += tally.llm_calls
-        self.saved_cost += tally.saved_cost
+log = get_logger("etl.runtime.runner")
 
 
 @dataclass
@@ -124,9 +107,9 @@ class Runner:
             return plans[tenant]
 
         budgets = TenantBudgets(pipeline.budgets, self._tokens_spent) if pipeline.budgets else None
-        self.executor = Executor(tenant_plans, peers, max_attempts=settings.llm_max_attempts,
-                                 max_retry_s=settings.llm_max_retry_s, repairs=settings.repairs,
-                                 retry_dead_letters=replaying_dead_letters, budgets=budgets, review=pipeline.review)
+        calls = ModelCalls(peers, max_attempts=settings.llm_max_attempts, max_retry_s=settings.llm_max_retry_s,
+                           repairs=settings.repairs, budgets=budgets)
+        self.executor = Executor(tenant_plans, calls, retry_dead_letters=replaying_dead_letters, review=pipeline.review)
         self.tracker = OffsetTracker()
         self.stats = RunStats()
         # Look-ups, claims and the (one at a time) commits overlap on a server database; SQLite

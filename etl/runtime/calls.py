@@ -1,0 +1,234 @@
+"""The model, for one stage of one document: claims across workers, retries, repairs, budgets.
+
+Every attempt becomes a :class:`CallRecord` (costed by the backend's price), whatever the outcome:
+paid work is never thrown away. A stage that cannot succeed raises :class:`StageFailed` carrying
+those attempts and the typed reason of the last failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_random_exponential,
+)
+
+from connectors.store import CacheEntry
+from dedup import cache_key, canonical_json, sha256_hex, stage_fingerprint
+from etl.errors import (
+    BudgetExceeded,
+    EtlError,
+    LLMError,
+    OutputError,
+    SchemaInvalid,
+    SemanticInvalid,
+    StageError,
+)
+from etl.llm.base import LLM, LLMRequest, LLMResponse
+from etl.runtime.decode import Decoded
+from etl.stages import Stage
+from etl.tenancy import TenantBudgets
+from schemas import CallRecord, Document
+
+_backoff = wait_random_exponential(multiplier=0.5, max=10)
+
+
+def _wait_for_provider(state: RetryCallState) -> float:
+    """The provider's Retry-After when it gave one, else exponential backoff with jitter."""
+    error = state.outcome.exception() if state.outcome else None
+    retry_after = getattr(error, "retry_after", None)
+    return float(retry_after) if retry_after is not None else _backoff(state)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """A stage with the hashes that identify its outputs, computed once per run."""
+
+    stage: Stage
+    fingerprint: str
+    prompt_hash: str
+    schema_hash: str
+    llm: LLM
+
+    @classmethod
+    def of(cls, stage: Stage, llm: LLM, repairs: int = 1) -> StagePlan:
+        """``repairs``: re-asks after an invalid answer, which decide what ends up valid."""
+        spec = {**stage.spec(), "model": llm.model_id, "params": llm.params, "repairs": repairs}
+        return cls(
+            stage=stage,
+            llm=llm,
+            fingerprint=stage_fingerprint(spec),
+            prompt_hash=sha256_hex(canonical_json([spec["system"], spec["user"]])),
+            schema_hash=sha256_hex(canonical_json(spec["schema"])),
+        )
+
+    def key(self, document: Decoded | Document) -> str:
+        return cache_key(document.tenant, self.fingerprint, document.content_hash)
+
+
+@dataclass
+class Computed:
+    """A validated output: fresh, with every attempt it took, or made by another worker."""
+
+    entry: CacheEntry
+    calls: list[CallRecord]
+    attempts: int
+    latency_ms: float
+    from_peer: bool = False
+
+
+class Peers(Protocol):
+    """Single-flight across workers on one store (see :class:`dedup.Claims`)."""
+
+    async def claim(self, key: str) -> bool:
+        """True if this worker may call the model for ``key`` now."""
+
+    async def cached(self, key: str) -> CacheEntry | None:
+        """The committed output for ``key``, if any worker has committed one."""
+
+
+class StageFailed(EtlError):
+    """A stage ended without a valid output; carries the attempts made, for cost accounting."""
+
+    def __init__(self, error: EtlError, calls: list[CallRecord]) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.calls = calls
+        self.reason = error.reason
+
+
+def record(document: Document, stage: str, key: str, model: str, outcome: Any, tokens_in: int,
+           tokens_out: int, cost: float, latency_ms: float, error: str | None = None) -> CallRecord:
+    """One row of ``llm_calls``."""
+    return CallRecord(tenant=document.tenant, stage=stage, doc_key=document.key, cache_key=key, model=model,
+                      outcome=outcome, tokens_in=tokens_in, tokens_out=tokens_out, cost=cost,
+                      latency_ms=latency_ms, error=error)
+
+
+class ModelCalls:
+    """Asks a stage's model for a document, with the run's caps on retries and repairs."""
+
+    def __init__(self, peers: Peers | None = None, max_attempts: int = 4, max_retry_s: float = 60.0,
+                 repairs: int = 1, budgets: TenantBudgets | None = None) -> None:
+        self.peers = peers
+        self.max_attempts = max_attempts
+        self.max_retry_s = max_retry_s
+        self.repairs = repairs
+        self.budgets = budgets
+
+    async def claim_or_wait(self, plan: StagePlan, document: Document, key: str) -> Computed:
+        """Calls the model only while holding the key's claim; otherwise waits for the holder's
+        committed result (or for its lease to lapse, if it crashed)."""
+        if self.peers is None:
+            return await self.compute(plan, document, key)
+        delay = 0.05
+        while True:
+            # A claim is refused for a key that is already cached, so winning one means computing.
+            if await self.peers.claim(key):
+                return await self.compute(plan, document, key)
+            entry = await self.peers.cached(key)
+            if entry is not None:
+                return Computed(entry=entry, calls=[], attempts=0, latency_ms=0.0, from_peer=True)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    async def compute(self, plan: StagePlan, document: Document, key: str | None = None) -> Computed:
+        """Asks the model, retrying transient failures and re-asking (``repairs`` times) after an
+        invalid answer, and validates the final answer in layers. Every attempt becomes a call
+        record. Raises StageFailed with the typed reason of the last failure. Bypasses the cache and
+        claims (an eval calls it directly; ``key`` defaults to the document's)."""
+        key = key or plan.key(document)
+        stage = plan.stage
+        request = LLMRequest(messages=stage.render(document), json_schema=stage.llm_schema(), max_tokens=stage.max_tokens)
+        calls: list[CallRecord] = []
+        started = time.perf_counter()
+        repairs_left = self.repairs
+        try:
+            while True:
+                if self.budgets is not None and not await self.budgets.allows(document.tenant):
+                    raise BudgetExceeded(f"tenant {document.tenant!r} spent its daily token budget")
+                response = await self._call(plan.llm, request, document, stage.name, key, calls)
+                if self.budgets is not None:
+                    self.budgets.spend(document.tenant, response.tokens_in + response.tokens_out)
+                cost = plan.llm.cost(response.tokens_in, response.tokens_out)
+                attempt = functools.partial(record, document, stage.name, key, response.model,
+                                            tokens_in=response.tokens_in, tokens_out=response.tokens_out, cost=cost,
+                                            latency_ms=response.latency_ms)
+                try:
+                    output = stage.parse(response)
+                except (SchemaInvalid, SemanticInvalid) as exc:
+                    if repairs_left > 0:
+                        repairs_left -= 1
+                        calls.append(attempt("repair", error=exc.reason))
+                        request = stage.repair(request, response.text, str(exc))
+                        continue
+                    calls.append(attempt("failed", error=exc.reason))
+                    raise
+                except OutputError as exc:
+                    calls.append(attempt("failed", error=exc.reason))
+                    raise
+                calls.append(attempt("ok"))
+                break
+        except EtlError as exc:
+            raise StageFailed(exc, calls) from exc
+        except Exception as exc:  # a validator or a backend raised something of its own
+            raise StageFailed(StageError(f"{type(exc).__name__}: {str(exc)[:300]}"), calls) from exc
+        spent_in = sum(c.tokens_in for c in calls)
+        spent_out = sum(c.tokens_out for c in calls)
+        entry = CacheEntry(
+            cache_key=key, tenant=document.tenant, stage=stage.name, fingerprint=plan.fingerprint,
+            output=output.model_dump(mode="json"), model=response.model, tokens_in=spent_in, tokens_out=spent_out,
+            cost=sum(c.cost for c in calls), structured=response.extra.get("structured"),
+            system_fingerprint=response.extra.get("system_fingerprint"),
+        )
+        return Computed(entry=entry, calls=calls, attempts=len(calls),
+                        latency_ms=(time.perf_counter() - started) * 1000)
+
+    async def _call(self, llm: LLM, request: LLMRequest, document: Document, stage: str, key: str,
+                    calls: list[CallRecord]) -> LLMResponse:
+        """One answer from the model, retrying only what ``retryable`` says can succeed later,
+        waiting as long as the provider's Retry-After asks, within the attempt and time caps."""
+        retrying = AsyncRetrying(
+            retry=retry_if_exception(lambda e: isinstance(e, LLMError) and e.retryable),
+            stop=stop_after_attempt(self.max_attempts) | stop_after_delay(self.max_retry_s),
+            wait=_wait_for_provider,
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    t0 = time.perf_counter()
+                    try:
+                        response = await llm.generate(request)
+                    except LLMError as exc:
+                        calls.append(record(document, stage, key, llm.model_id,
+                                                  "retry" if exc.retryable else "failed", 0, 0, 0.0,
+                                                  (time.perf_counter() - t0) * 1000, error=exc.reason))
+                        raise
+                    return _within_columns(response, (time.perf_counter() - t0) * 1000)
+        except LLMError:
+            if calls and calls[-1].outcome == "retry":  # retries ran out: that attempt ended the stage
+                calls[-1] = calls[-1].model_copy(update={"outcome": "failed"})
+            raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _within_columns(response: LLMResponse, latency_ms: float) -> LLMResponse:
+    """The provider's own metadata cut to what the store's columns hold (a model name of 400
+    characters must not quarantine a document), and the latency measured here if it gave none."""
+    extra = dict(response.extra)
+    for name, limit in (("structured", 20), ("system_fingerprint", 200)):
+        if isinstance(extra.get(name), str):
+            extra[name] = extra[name][:limit].replace("\x00", "")
+    return dataclasses.replace(response, model=str(response.model)[:300].replace("\x00", ""), extra=extra,
+                               latency_ms=response.latency_ms or latency_ms)
