@@ -61,6 +61,7 @@ documents = Table(
     Column("message_offset", BigInteger, nullable=False),
     Column("received_at", DateTime(timezone=True), nullable=False),
     UniqueConstraint("pipeline", "tenant", "doc_key", name="uq_documents_doc"),
+    Index("ix_documents_doc_key", "pipeline", "doc_key"),  # the look-up of stored versions
 )
 
 stage_results = Table(

@@ -28,6 +28,8 @@ from sqlalchemy import (
     bindparam,
     delete,
     func,
+    literal,
+    literal_column,
     select,
     tuple_,
     update,
@@ -136,9 +138,9 @@ class BatchWriter:
                 held = latest.get((doc.tenant, doc.key))
                 if held is None or version(held) <= version(outcome):
                     latest[(doc.tenant, doc.key)] = outcome
-        won = self._claim_versions(conn, pipeline, latest)
+        won, inserted = self._claim_versions(conn, pipeline, latest)
         winners = [latest[ref] for ref in won]
-        self._replace_results(conn, pipeline, winners)
+        self._replace_results(conn, pipeline, winners, inserted)
         cache = {entry.cache_key: vars(entry) for o in batch.outcomes for entry in o.cache}
         upsert(conn, llm_cache, list(cache.values()), ("cache_key",), None)
         # Waiters on one failed call share its attempts: each attempt is written once, by its id.
@@ -158,11 +160,13 @@ class BatchWriter:
         self._positions(conn, pipeline, batch.positions)
 
     @staticmethod
-    def _claim_versions(conn: Connection, pipeline: str, latest: dict[DocRef, DocumentOutcome]) -> set[DocRef]:
+    def _claim_versions(conn: Connection, pipeline: str, latest: dict[DocRef, DocumentOutcome]
+                        ) -> tuple[set[DocRef], set[DocRef]]:
         """Upserts each document's row where the stored version is not newer; returns the refs now
-        holding this batch's version."""
+        holding this batch's version, and those of them that are new documents (PostgreSQL says
+        so: a row inserted rather than updated has ``xmax = 0``; SQLite cannot tell)."""
         if not latest:
-            return set()
+            return set(), set()
         rows = []
         for (tenant, key), outcome in latest.items():
             doc = outcome.document
@@ -178,15 +182,23 @@ class BatchWriter:
                                                   "received_at")},
             where=tuple_(d.stream, d.partition, d.message_offset)
             <= tuple_(stmt.excluded.stream, stmt.excluded.partition, stmt.excluded.message_offset),
-        ).returning(d.tenant, d.doc_key)
-        return {(tenant, key) for tenant, key in conn.execute(stmt, rows)}
+        ).returning(d.tenant, d.doc_key, literal_column("xmax = 0") if conn.dialect.name == "postgresql"
+                    else literal(False))
+        won, inserted = set(), set()
+        for tenant, key, new in conn.execute(stmt, rows):
+            won.add((tenant, key))
+            if new:
+                inserted.add((tenant, key))
+        return won, inserted
 
-    def _replace_results(self, conn: Connection, pipeline: str, winners: list[DocumentOutcome]) -> None:
+    def _replace_results(self, conn: Connection, pipeline: str, winners: list[DocumentOutcome],
+                         inserted: set[DocRef]) -> None:
         """The winners' documents get exactly their version's stages: others' results and typed
-        rows are deleted, theirs upserted."""
+        rows are deleted (a document new to the store has none), theirs upserted."""
         if not winners:
             return
-        keep = {(o.document.tenant, o.document.key): set(o.stages) for o in winners if o.document is not None}
+        keep = {(o.document.tenant, o.document.key): set(o.stages) for o in winners
+                if o.document is not None and (o.document.tenant, o.document.key) not in inserted}
         r = stage_results.c
         stale_ids: list[int] = []
         stale_typed: dict[str, list[dict[str, Any]]] = {}

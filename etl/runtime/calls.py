@@ -226,6 +226,9 @@ class ModelCalls:
 def _within_columns(response: LLMResponse, latency_ms: float) -> LLMResponse:
     """The provider's own metadata cut to what the store's columns hold (a model name of 400
     characters must not quarantine a document), and the latency measured here if it gave none."""
+    if (response.latency_ms and len(response.model) <= 300 and "\x00" not in response.model
+            and not response.extra.keys() & {"structured", "system_fingerprint"}):
+        return response  # the common case, per call: nothing to cut
     extra = dict(response.extra)
     for name, limit in (("structured", 20), ("system_fingerprint", 200)):
         if isinstance(extra.get(name), str):

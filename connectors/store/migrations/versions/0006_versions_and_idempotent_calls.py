@@ -1,4 +1,4 @@
-"""idempotent attempt rows, dead letters published through an outbox
+"""document versions looked up by key, idempotent attempt rows, dead letters through an outbox
 
 Revision ID: 0006
 Revises: 0005
@@ -19,6 +19,8 @@ depends_on = None
 
 
 def upgrade() -> None:
+    # Stored versions are looked up by doc key alone, like results and dead letters.
+    op.create_index("ix_documents_doc_key", "documents", ["pipeline", "doc_key"])
     with op.batch_alter_table("llm_calls") as batch:
         batch.add_column(sa.Column("call_id", sa.String(length=32), nullable=True))
         batch.create_index("uq_llm_calls_call_id", ["call_id"], unique=True)
@@ -29,6 +31,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    op.drop_index("ix_documents_doc_key", table_name="documents")
     op.drop_index("ix_dead_letters_unpublished", table_name="dead_letters")
     with op.batch_alter_table("dead_letters") as batch:
         batch.drop_column("published")
