@@ -27,6 +27,14 @@ def text_problem(value: str) -> str | None:
     return None
 
 
+def storable_text(value: str) -> str:
+    """``value`` as the store can hold it, for text kept as evidence (a model's raw answer, an error
+    detail): NUL becomes U+FFFD and a lone surrogate "?", so a bad answer keeps its own dead letter."""
+    if text_problem(value) is None:
+        return value
+    return value.replace("\x00", "\ufffd").encode("utf-8", "replace").decode("utf-8")
+
+
 def value_problem(value: Any, where: str = "answer") -> str | None:
     """Why ``value`` (a model output as Python data: dicts, lists, scalars) cannot be stored as JSON
     and in a typed column, naming where it sits (``amount``, ``items.2.price``), or None."""

@@ -26,6 +26,7 @@ from etl.runtime.calls import (
     record,
 )
 from etl.runtime.decode import Decoded
+from etl.storable import storable_text
 from etl.stages import Extract, Stage
 from etl.tenancy import ReviewSampling
 from schemas import CallRecord, DeadLetter, Document, Provenance, StageResult
@@ -236,9 +237,9 @@ class Executor:
     def _dead(document: Document, payload: bytes, stage: str | None, key: str | None, reason: str, detail: str,
               raw: str | None, work: _Work, settles: bool) -> DocumentOutcome:
         """The document's dead letter, with the stages before the failing one (paid work is kept)."""
-        letter = DeadLetter(position=document.position, reason=reason, detail=detail, payload=payload,
+        letter = DeadLetter(position=document.position, reason=reason, detail=storable_text(detail), payload=payload,
                             tenant=document.tenant, doc_key=document.key, stage=stage, cache_key=key,
-                            raw_output=raw)
+                            raw_output=None if raw is None else storable_text(raw))
         return DocumentOutcome(document=document, results=tuple(work.results), stages=tuple(work.stages),
                                typed_rows=tuple(work.typed), calls=tuple(work.calls), cache=tuple(work.cache),
                                dead_letter=letter, settles_dead_letters=settles, payload=payload)

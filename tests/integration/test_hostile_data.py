@@ -439,3 +439,15 @@ async def test_a_validator_that_raises_is_the_documents_dead_letter(sqlite_url: 
         stats = await run_pipeline(Pipeline("e", ListSource(docs), [stage], store=sqlite_url), llm=FakeLLM(labelled({})))
     assert stats.dead_letters == 2
     assert {r for (r,) in rows(sqlite_url, "SELECT reason FROM dead_letters")} == {"stage_error"}
+
+
+async def test_case2_an_answer_holding_a_lone_surrogate_keeps_its_own_reason(store_url: str) -> None:
+    """The raw answer is kept as evidence, made storable: the letter stays schema_invalid (found by
+    the property test as store_rejected, which dropped the document's paid classification)."""
+    def answer(request: LLMRequest) -> Any:
+        return '{"label": "a\ud800"}'  # a literal lone surrogate, outside the label set
+
+    stats = await run_pipeline(two_stage(ListSource([{"id": "k", "text": "t"}]), store_url), llm=FakeLLM(answer))
+    assert stats.dead_letters == 1
+    assert rows(store_url, "SELECT reason FROM dead_letters") == [("schema_invalid",)]
+    assert rows(store_url, "SELECT count(*) FROM llm_calls") == [(2,)]  # the answer and its repair
