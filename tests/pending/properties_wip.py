@@ -3,7 +3,8 @@
 # of a document whose content equals the stored version is settled against a look-up that can be
 # stale while another version is in flight (x, y, x for one key in one run ends as y: a regression),
 # and a later duplicate's position is not recorded (test_pinned_exact_duplicate_*, *_a_b_a_*,
-# *_older_version_after_a_duplicate_*). Move it back to tests/reliability/test_properties.py once
+# *_older_version_after_a_duplicate_*), and two more on older versions' letters left open by a newer
+# version of the same run (*_older_letter_*). Move it back to tests/reliability/test_properties.py once
 # that is fixed; see the closing note of issue 10. Run: pytest tests/pending/properties_wip.py.
 """The data path against a reference model: generated histories of appends, runs, crashes, re-runs
 and dead-letter replays, with the store compared to what the model says after every step.
@@ -19,9 +20,10 @@ The system under test is the real runner (``run_pipeline``, ``build_runner``) on
 (a fresh SQLite file per example; a few examples on PostgreSQL), with ``FakeLLM`` answers that are
 deterministic per document content, so a re-ask gets the same (possibly bad) answer.
 
-Profiles (``settings.register_profile``): ``ci`` (default, derandomized, a few minutes on two
-cores) and ``long``, chosen by ``ETL_PROPERTY_EXAMPLES=2000`` (random, that many examples). Neither
-writes an example database: nothing lands in the working tree.
+Profiles (``settings.register_profile``): ``ci`` (default: 50 random histories, about three
+minutes on two cores), ``long``, chosen by ``ETL_PROPERTY_EXAMPLES=2000`` (that many), and
+``postgres`` (5, for the PostgreSQL test). None writes an example database: nothing lands in the
+working tree, and what a run finds is pinned below by hand.
 """
 
 from __future__ import annotations
@@ -44,7 +46,14 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule, run_state_machine_as_test
+from hypothesis.configuration import set_hypothesis_home_dir
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from pydantic import BaseModel
 from sqlalchemy import Engine, inspect, text
 
@@ -52,7 +61,16 @@ from connectors.sources import Message, Source
 from connectors.sources.dead_letters import DeadLetterSource
 from connectors.store import make_engine
 from dedup import cache_key, content_hash, normalize_content
-from etl import Classify, Decoder, Extract, Pipeline, Settings, Truncated, label_in, run_pipeline
+from etl import (
+    Classify,
+    Decoder,
+    Extract,
+    Pipeline,
+    Settings,
+    Truncated,
+    label_in,
+    run_pipeline,
+)
 from etl.llm.base import LLMRequest
 from etl.runtime.wiring import build_runner
 from etl.testing import FakeLLM, ListSource
@@ -60,16 +78,20 @@ from tests.helpers import CORE_TABLES, counts
 
 # -- profiles ------------------------------------------------------------------------------------
 
+# Hypothesis caches the constants it mines from source files under its home directory (./.hypothesis
+# by default) whatever the database setting: keep that out of the working tree too.
+set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "idem-etl-hypothesis")
+
 _SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
-# Random, not derandomized: derandomized generation stays near the simplest histories (40 of them
-# ran in 7 s and hardly met a second version). One bug per failing run: shrinking replays real
+# Random, not derandomized: derandomized generation stayed near the simplest histories (40 of them
+# ran in about 6 s and rarely met a second version of a document). One bug per failing run: shrinking replays real
 # runs, and two bugs would take two shrinks. No example database: nothing lands in the repo, and
 # every failure found is pinned below instead.
 settings.register_profile("ci", max_examples=50, stateful_step_count=12, deadline=None, database=None,
                           suppress_health_check=_SLOW, report_multiple_bugs=False)
 settings.register_profile("long", max_examples=int(os.environ.get("ETL_PROPERTY_EXAMPLES") or 2000),
                           stateful_step_count=25, deadline=None, database=None, suppress_health_check=_SLOW)
-settings.register_profile("postgres", max_examples=5, stateful_step_count=10, deadline=None, derandomize=True,
+settings.register_profile("postgres", max_examples=5, stateful_step_count=12, deadline=None,
                           database=None, suppress_health_check=_SLOW, report_multiple_bugs=False)
 #: The profile of the SQLite property test: ``long`` when ETL_PROPERTY_EXAMPLES is set.
 PROFILE = settings.get_profile("long" if os.environ.get("ETL_PROPERTY_EXAMPLES") else "ci")
@@ -178,7 +200,7 @@ def faulty_answer(stage: str, fault: str) -> str:
             "refusal": "I'm sorry, I can't help with that.",
         }[fault]
     return {
-        "big_int": '{"amount": 1.5, "count": %d}' % 2**70,
+        "big_int": f'{{"amount": 1.5, "count": {2**70}}}',
         "inf": '{"amount": 1e999, "count": 1}',
         "infinity": '{"amount": Infinity, "count": 1}',
         "nan": '{"amount": NaN, "count": 1}',
@@ -472,8 +494,8 @@ class PipelineMachine(RuleBasedStateMachine):
     def append_versions(self, versions: list[tuple[str, str, str, int]]) -> None:
         """New keys, or (the key pool is small) new versions of existing ones: (tenant, key, text,
         partition) each."""
-        for tenant, key, text, partition in versions:
-            self.append_version(tenant, key, text, partition)
+        for tenant, key, body, partition in versions:
+            self.append_version(tenant, key, body, partition)
 
     def append_version(self, tenant: str, key: str, text: str, partition: int) -> None:
         version = Version(tenant, key, text)
@@ -784,3 +806,24 @@ def test_pinned_unstorable_invalid_answer_keeps_its_reason() -> None:
             lambda s: s.append_version(key="1", partition=0, tenant="t1",
                                        text=doc_text(0, "a", "surrogate_raw", "ok", "")),
             lambda s: s.full_run(flush_size=100, in_flight=4))
+
+
+def test_pinned_older_letter_superseded_by_a_valid_newer_version() -> None:
+    """Invariant 1: x (its classification refused) and then y (valid) for one key in one run, one
+    message per window: y commits, but x's dead letter stays open instead of superseded (y's
+    look-up was made before x's letter committed), so a dlq replay would re-run an older version."""
+    _replay(PipelineMachine(),
+            lambda s: s.init(partitions=1, seed=0),
+            lambda s: s.append_versions(versions=[("t1", "1", doc_text(0, "a", "refusal", "ok", ""), 0),
+                                                  ("t1", "1", doc_text(1, "a", "ok", "ok", ""), 0)]),
+            lambda s: s.full_run(flush_size=100, in_flight=1))
+
+
+def test_pinned_older_letter_superseded_by_a_failing_newer_version() -> None:
+    """Invariant 1: x (classification truncated) and then y (extraction truncated) for one key in
+    one run, one commit per document: both letters stay open; only y's may."""
+    _replay(PipelineMachine(),
+            lambda s: s.init(partitions=1, seed=0),
+            lambda s: s.append_versions(versions=[("t1", "1", doc_text(0, "a", "truncated", "ok", ""), 0),
+                                                  ("t1", "1", doc_text(1, "a", "ok", "truncated", ""), 0)]),
+            lambda s: s.full_run(flush_size=1, in_flight=16))
