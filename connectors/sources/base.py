@@ -70,6 +70,11 @@ class Source(ABC):
         source is exhausted. ``max_records == 0`` means the runner is full: keep any group
         membership alive but deliver nothing. Offsets within one partition arrive in order."""
 
+    def reading(self) -> bool:
+        """Whether the source has something to read from now. A Kafka member without partitions (still
+        joining its group, or waiting for the topic's metadata) is not: idle time does not count."""
+        return True
+
     def commit(self, positions: Mapping[PartitionKey, int]) -> None:  # noqa: B027 - optional hook
         """Called after the store committed results up to ``positions`` (next offsets). An
         optimisation only: if it fails or never happens, the stored positions still rule."""

@@ -167,6 +167,9 @@ class KafkaSource(Source):
         ]
         return messages
 
+    def reading(self) -> bool:
+        return self.consumer is not None and bool(self.consumer.assignment())
+
     def _replayed(self) -> bool:
         """A replay that has read every partition up to its end offsets (checked before polling, so
         the last poll does not wait out its timeout for messages that will not come)."""

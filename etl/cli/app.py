@@ -35,7 +35,7 @@ def run(
     db: DbOption = None,
     metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus metrics on 127.0.0.1:PORT.")] = None,
     stop_when_idle: Annotated[float | None, typer.Option(
-        help="Stop once no message arrived for this many seconds (Kafka sources never end by themselves).")] = None,
+        help="Stop once no message arrived for this many seconds while this worker holds partitions (Kafka sources never end by themselves).")] = None,
 ) -> None:
     """Run PIPELINE until its source ends (files) or a signal (Kafka). Re-running is free: processed
     documents are no-ops. SIGTERM/SIGINT drain in-flight work and commit; a second one exits at once."""

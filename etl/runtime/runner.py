@@ -241,6 +241,8 @@ class Runner:
                         # looked up one batch at a time.
                         self._queued.append((messages, [self.tracker.dispatch(m) for m in messages]))
                         self._incoming += len(messages)
+                    elif not source.reading():
+                        last_message = time.perf_counter()  # joining a group is not being idle
                     elif (self.idle_stop_s is not None and not self._tasks and dispatching is None and not self._queued
                           and time.perf_counter() - last_message >= self.idle_stop_s):
                         exhausted = True  # an endless source that has gone quiet: stop, as asked

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +124,35 @@ async def test_redelivery_within_one_run_is_a_no_op(sqlite_url: str) -> None:
     assert len(llm.calls) == 1 and stats.messages == 5
     assert counts(sqlite_url)["stage_results"] == 1
     assert counts(sqlite_url)["llm_calls"] == 1  # the repeats are not cache hits of a new document
+
+
+class Joining(ListSource):
+    """An endless source that holds nothing to read for its first second, as a Kafka member does
+    while it joins its group or waits for the topic's metadata."""
+
+    def __init__(self, items: list[dict[str, str]]) -> None:
+        super().__init__(items)
+        self.ready_at = 0.0
+
+    def open(self, ledger: Any = None) -> None:
+        self.ready_at = time.monotonic() + 1.0
+
+    def reading(self) -> bool:
+        return time.monotonic() >= self.ready_at
+
+    def poll(self, max_records: int, timeout_s: float) -> list[Any] | None:
+        if not self.reading():
+            time.sleep(min(timeout_s, 0.05))
+            return []
+        return super().poll(max_records, timeout_s) or []  # never ends by itself
+
+
+async def test_stop_when_idle_counts_only_while_the_source_can_be_read(sqlite_url: str) -> None:
+    """Found in CI: a consumer that took longer than the idle time to join stopped with 0 messages."""
+    docs = corpus(20)
+    stats = await run_pipeline(Pipeline("t", Joining(docs), [Classify(LABELS)], store=sqlite_url),
+                               llm=FakeLLM(), idle_stop_s=0.3)
+    assert stats.messages == 20 and counts(sqlite_url)["stage_results"] == 20
 
 
 async def test_bad_lines_become_dead_letters_and_the_run_goes_on(tmp_path: Path, sqlite_url: str) -> None:
