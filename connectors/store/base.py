@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +92,18 @@ class Lookup:
     #: (tenant, doc_key) → position of the stored version: a message older than it is a no-op.
     versions: dict[DocRef, Version] = field(default_factory=dict)
 
+    #: Cache keys the document already holds at an older position (the same content again): a
+    #: newer version served them from the cache without a call record (nothing was paid or saved).
+    restated: frozenset[str] = frozenset()
+
+    def for_newer_version(self, ref: DocRef, stages: Iterable[str]) -> Lookup:
+        """What a message newer than its document's stored version runs with. The stored results
+        and letters are another version's, even for the same content (a producer's retry, an
+        A-B-A edit): they sit at an older position, which this version replaces. So it is computed
+        from the cache alone (no call for what is cached), and may settle the older letters."""
+        held = frozenset(found[0] for stage in stages if (found := self.results.get((*ref, stage))) is not None)
+        return Lookup(results={}, dead={ref: set()}, cache=self.cache, restated=held)
+
 
 class Store(ABC):
     """Where results, cache, calls and positions live. Every write is one transaction."""
@@ -109,15 +121,19 @@ class Store(ABC):
         With ``outputs=False`` stored results come without their output (None): enough to know
         they are stored, and much cheaper when no ``when=`` predicate needs to read them."""
 
-    def unsettled(self, pipeline: str, expected: Sequence[tuple[str, str, str, str]]) -> set[DocRef]:
+    def unsettled(self, pipeline: str, expected: Sequence[tuple[str, str, str, str]],
+                  at: Mapping[DocRef, Version]) -> set[DocRef]:
         """Of the documents in ``expected`` ((tenant, doc key, stage, cache key) for every stage of
-        each), those not settled: some stage has no stored result for exactly that key, or the
-        document has an open dead letter. The rest are redeliveries with nothing to do, found
-        without reading their rows (a replay's look-up). Read-only."""
+        each), those not settled: some stage has no stored result for exactly that key, the
+        document has an open dead letter, or its stored version is not at ``at[ref]`` (the
+        message's position: a newer copy of the same content is a new version). The rest are
+        redeliveries with nothing to do, found without reading their rows (a replay's look-up).
+        Read-only."""
         refs = {(tenant, key) for tenant, key, _, _ in expected}
         found = self.lookup(pipeline, refs, [], outputs=False)
         return {(tenant, key) for tenant, key, stage, cache_key in expected
-                if found.results.get((tenant, key, stage), ("",))[0] != cache_key} | (refs & found.dead.keys())
+                if found.results.get((tenant, key, stage), ("",))[0] != cache_key} | (refs & found.dead.keys()) | {
+            ref for ref in refs if found.versions.get(ref) != at.get(ref)}
 
     @abstractmethod
     def write(self, pipeline: str, batch: Batch) -> None:

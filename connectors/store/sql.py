@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
-from connectors.store.base import Batch, CacheEntry, DocRef, Lookup, Store, TypedTable
+from connectors.store.base import Batch, CacheEntry, DocRef, Lookup, Store, TypedTable, Version
 from connectors.store.tables import (
     dead_letters,
     documents,
@@ -108,6 +108,11 @@ UNION
 SELECT e.tenant, e.doc_key FROM expected AS e
 WHERE EXISTS (SELECT 1 FROM dead_letters AS d WHERE d.pipeline = :pipeline AND d.status = 'open'
               AND d.tenant = e.tenant AND d.doc_key = e.doc_key)
+UNION
+SELECT a->>0, a->>1 FROM json_array_elements(CAST(:at AS json)) AS a
+WHERE NOT EXISTS (SELECT 1 FROM documents AS v WHERE v.pipeline = :pipeline AND v.tenant = a->>0
+                  AND v.doc_key = a->>1 AND v.stream = a->>2 AND v.partition = CAST(a->>3 AS integer)
+                  AND v.message_offset = CAST(a->>4 AS bigint))
 """)
 
 
@@ -186,13 +191,15 @@ class SqlStore(Store, Claims):
                     found.cache[row["cache_key"]] = CacheEntry(**{k: row[k] for k in CacheEntry.__dataclass_fields__})
         return found
 
-    def unsettled(self, pipeline: str, expected: Sequence[tuple[str, str, str, str]]) -> set[DocRef]:
+    def unsettled(self, pipeline: str, expected: Sequence[tuple[str, str, str, str]],
+                  at: Mapping[DocRef, Version]) -> set[DocRef]:
         if self.engine.dialect.name != "postgresql":
-            return super().unsettled(pipeline, expected)
+            return super().unsettled(pipeline, expected, at)
         # PostgreSQL compares on its side and sends back only what is not settled: a replay's
         # look-up returns no rows at all. The expectations travel as one JSON parameter.
         with self.engine.connect() as conn:
-            rows = conn.execute(_UNSETTLED, {"pipeline": pipeline, "expected": json.dumps(expected)})
+            rows = conn.execute(_UNSETTLED, {"pipeline": pipeline, "expected": json.dumps(expected),
+                                             "at": json.dumps([[*ref, *v] for ref, v in at.items()])})
             return {(tenant, key) for tenant, key in rows}
 
     def write(self, pipeline: str, batch: Batch) -> None:

@@ -10,8 +10,9 @@ Order inside the transaction, and why:
    deleted with their typed rows, its results and typed rows are upserted.
 3. Paid work is kept whoever won: cache entries, every attempt (by its own id, so a retried commit
    adds nothing), and dead letters — a losing version's letter is born ``superseded``.
-4. Dead letters settle: a winner supersedes its document's letters at other (older) positions and
-   resolves the one at its own position when it succeeded (``replayed``); a loser supersedes its own.
+4. Dead letters settle, by the letters as stored: a winner supersedes its document's letters at
+   older positions and resolves the one at its own position when it succeeded (``replayed``); a
+   loser supersedes its own.
 5. Claims of finished keys go; positions move forward only, last.
 """
 
@@ -234,29 +235,48 @@ class BatchWriter:
     @staticmethod
     def _dead_letters(conn: Connection, pipeline: str, batch: Batch, latest: dict[DocRef, DocumentOutcome],
                       won: set[DocRef]) -> list[str | None]:
-        """Writes the batch's dead letters and settles older ones; returns the letters' cache keys."""
+        """Settles the open letters of the batch's documents, then writes the batch's own letters;
+        returns their cache keys. A winner supersedes its document's letters at older positions
+        and resolves the one at its own position when it succeeded (``replayed``); a losing
+        version's letter is superseded (and born so when new). Decided from the letters as stored,
+        not from what the look-up saw: a letter committed since (another worker's, or this run's
+        earlier commit) is settled too."""
+        c = dead_letters.c
+        winners = {ref: latest[ref] for ref in won}
+        at_winner = {version(o): o for o in winners.values()}
+        losers = {version(o) for o in batch.outcomes if o.document is not None
+                  and winners.get((o.document.tenant, o.document.key)) is not o}
+        found: list[Any] = []
+        columns = (c.id, c.tenant, c.doc_key, c.stream, c.partition, c.message_offset)
+        for (member,) in members(conn, sorted({key for _, key in latest}), c.doc_key):
+            found += conn.execute(select(*columns).where(c.pipeline == pipeline, c.status == "open", member))
+        # Letters of messages that had no document (bad input) are found by position, for outcomes
+        # that may settle one (a dead-letter replay of a message that decodes now).
+        settling = sorted({version(o) for o in batch.outcomes if o.document is not None and o.settles_dead_letters})
+        for chunk in chunks(settling):
+            found += conn.execute(select(*columns).where(
+                c.pipeline == pipeline, c.status == "open", c.doc_key.is_(None),
+                tuple_(c.stream, c.partition, c.message_offset).in_(chunk)))
+        settle: dict[str, list[int]] = {"superseded": [], "replayed": []}
+        for letter_id, tenant, key, stream, partition, offset in found:
+            at = (stream, partition, offset)
+            winner = winners.get((tenant, key))
+            if at in losers or (winner is not None and at < version(winner)):
+                settle["superseded"].append(letter_id)
+            elif at in at_winner and at_winner[at].dead_letter is None:
+                settle["replayed"].append(letter_id)
+        for status, ids in settle.items():
+            for (member,) in members(conn, ids, c.id):
+                conn.execute(update(dead_letters).where(member).values(status=status))
         rows: dict[tuple[str, int, int], dict[str, Any]] = {}
-        superseded_at: list[dict[str, Any]] = []  # letters at a position whose version lost
-        replayed_at: list[dict[str, Any]] = []  # letters at a winner's position that now succeeded
-        older_than: list[dict[str, Any]] = []  # a winner's letters at other positions
         for outcome in batch.outcomes:
-            doc, letter = outcome.document, outcome.dead_letter
-            ref = None if doc is None else (doc.tenant, doc.key)
-            current = ref is None or (ref in won and latest[ref] is outcome)
-            if letter is not None:
-                p = letter.position
-                rows[(p.stream, p.partition, p.offset)] = _letter_row(
-                    pipeline, letter, "open" if current else "superseded", published=not batch.outbox)
-            if doc is None or not outcome.settles_dead_letters:
+            if (letter := outcome.dead_letter) is None:
                 continue
-            at = {"p": pipeline, "s": doc.position.stream, "pa": doc.position.partition, "o": doc.position.offset,
-                  "t": doc.tenant, "k": doc.key}
-            if not current:
-                superseded_at.append(at)
-                continue
-            older_than.append(at)
-            if letter is None:
-                replayed_at.append(at)
+            current = outcome.document is None or (outcome.document.tenant, outcome.document.key) in winners \
+                and winners[(outcome.document.tenant, outcome.document.key)] is outcome
+            p = letter.position
+            rows[(p.stream, p.partition, p.offset)] = _letter_row(
+                pipeline, letter, "open" if current else "superseded", published=not batch.outbox)
         if rows:
             # A message that fails again (a replay) keeps one dead letter, with the latest reason; a
             # letter already published is not published again.
@@ -267,18 +287,6 @@ class BatchWriter:
                                                     "raw_output", "status")},
             )
             conn.execute(stmt, list(rows.values()))
-        c = dead_letters.c
-        at_position = ((c.pipeline == bindparam("p")) & (c.stream == bindparam("s"))
-                       & (c.partition == bindparam("pa")) & (c.message_offset == bindparam("o")))
-        for status, params, where in (
-            ("superseded", superseded_at, at_position),
-            ("replayed", replayed_at, at_position),
-            ("superseded", older_than, (c.pipeline == bindparam("p")) & (c.tenant == bindparam("t"))
-             & (c.doc_key == bindparam("k")) & ~(tuple_(c.stream, c.partition, c.message_offset)
-                                                 == tuple_(bindparam("s"), bindparam("pa"), bindparam("o")))),
-        ):
-            if params:
-                conn.execute(update(dead_letters).where(where, c.status == "open").values(status=status), params)
         return [row["cache_key"] for row in rows.values()]
 
     @staticmethod

@@ -196,7 +196,10 @@ class Executor:
                 shared = shared or computed.from_peer
             output = stage.output_model.model_validate(entry.output)
             outputs[stage.name] = output
-            if shared:
+            if shared and key in lookup.restated:
+                tally.stored_hits += 1  # what this document held already, at an older position
+                attempts, latency = 0, 0.0
+            elif shared:
                 tally.cache_hits += 1
                 tally.saved_cost += entry.cost
                 work.calls.append(record(document, stage.name, key, entry.model, "cache_hit",

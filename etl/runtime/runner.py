@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import functools
 import gc
 import time
@@ -43,6 +44,7 @@ from connectors.store import (
     Lookup,
     SqlStore,
     Store,
+    Version,
     is_transient,
 )
 from etl.errors import BadInput, ConfigError, SourceError, StoreError
@@ -55,6 +57,7 @@ from etl.runtime.execute import Executor, ModelCalls, StagePlan, Tally
 from etl.runtime.peers import StorePeers
 from etl.runtime.stats import RunStats
 from etl.runtime.tracker import OffsetTracker
+from etl.runtime.versions import Route, route
 from etl.settings import Settings
 from etl.tenancy import TenantBudgets
 from schemas import DeadLetter, Document, Position
@@ -119,7 +122,7 @@ class Runner:
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="source")
         self._tasks: dict[asyncio.Task[tuple[DocumentOutcome, Tally]], _Pending] = {}
         #: Documents dispatched but not yet committed: a duplicate of one waits for it instead.
-        self._live: dict[DocRef, tuple[str, asyncio.Task[Any]]] = {}
+        self._live: dict[DocRef, tuple[str, asyncio.Task[Any], Version]] = {}
         self._done: list[tuple[DocumentOutcome, _Pending]] = []
         self._revoked: collections.deque[PartitionKey] = collections.deque()
 
@@ -324,7 +327,8 @@ class Runner:
             # round trip only while most documents turn out stored, as in a replay.
             expected = [(doc.tenant, doc.key, stage, key) for doc, _, _, doc_keys in decoded
                         for stage, key in zip(executor.stage_names(doc.tenant), doc_keys, strict=True)]
-            unsettled = await self._store(self.store.unsettled, self.pipeline.name, expected)
+            at = {(doc.tenant, doc.key): (m.stream, m.partition, m.offset) for doc, m, _, _ in decoded}
+            unsettled = await self._store(self.store.unsettled, self.pipeline.name, expected, at)
             rest = []
             for item in decoded:
                 doc, message, epoch, doc_keys = item
@@ -351,36 +355,48 @@ class Runner:
                 log.warning("dead_letter", reason=exc.reason, stream=p.stream, partition=p.partition, offset=p.offset)
             self._done.append((outcome, _Pending(p, epoch, None, [])))
             self.tracker.complete(p, epoch)
+        # Outputs of results stored for an older position of the same content were not looked up
+        # (a redelivery needs none); a newer copy takes them from the cache.
+        stored_keys = {key for key, _ in lookup.results.values()}
+        reused = [key for doc, m, _, doc_keys in decoded if (v := lookup.versions.get((doc.tenant, doc.key)))
+                  and v < (m.stream, m.partition, m.offset) for key in doc_keys if key in stored_keys]
+        if reused:
+            lookup.cache.update((await self._store(self.store.lookup, self.pipeline.name, [], reused)).cache)
         for doc, message, epoch, doc_keys in decoded:
             ref = (doc.tenant, doc.key)
-            stored = lookup.versions.get(ref)
-            if stored is not None and stored > (message.stream, message.partition, message.offset):
-                # An older version of a document stored newer: nothing to call or write (but an open
-                # dead letter of this version, a race or a dlq replay, is settled as superseded).
+            at = (message.stream, message.partition, message.offset)
+            live = self._live.get(ref)
+            way = route(at, lookup.versions.get(ref), None if live is None else (live[0], live[2]), doc.content_hash)
+            if way is Route.OLDER:
                 self.stats.older_versions += 1
+                settled += 1
                 if executor.retry_dead_letters or ref in lookup.dead:
+                    # An open dead letter of this version (a race, or a dlq replay) is superseded.
                     outcome = DocumentOutcome(document=decoder.document(doc, message), settles_dead_letters=True)
                     self._done.append((outcome, _Pending(message.position, epoch, None, [])))
                     self.tracker.complete(message, epoch)
                 else:
                     self._settle(message, epoch, 0)
-                settled += 1
                 continue
-            live = self._live.get(ref)
-            if live is not None and live[0] == doc.content_hash:
-                # The same document is already in flight or awaiting commit (a redelivery within
-                # this run): wait for it, then complete this position with nothing to write.
-                self._start(self._after(live[1]), _Pending(message.position, epoch, None, []))
+            if way is Route.WAIT:
+                assert live is not None  # noqa: S101
+                self._start(self._after(live[1], None), _Pending(message.position, epoch, None, []))
                 continue
-            hits = executor.try_stored(doc, lookup, doc_keys)
-            if hits is not None:
+            if way is Route.RESTATE:
+                assert live is not None  # noqa: S101
+                self._live[ref] = (live[0], self._start(
+                    self._after(live[1], (decoder.document(doc, message), message.value, doc_keys)),
+                    _Pending(message.position, epoch, ref, doc_keys)), at)
+                continue
+            if way is Route.STORED and (hits := executor.try_stored(doc, lookup, doc_keys)) is not None:
                 settled += 1
                 self._settle(message, epoch, hits)
                 continue
             document = decoder.document(doc, message)
             pending = _Pending(message.position, epoch, ref, doc_keys, slot=True)
+            looked_up = lookup.for_newer_version(ref, executor.stage_names(doc.tenant)) if way is Route.NEWER else lookup
             self._live[ref] = (doc.content_hash, self._start(
-                self._work(document, message.value, lookup, doc_keys), pending))
+                self._work(document, message.value, looked_up, doc_keys), pending), at)
         self._mostly_redeliveries = settled * 2 >= documents
         self.stats.in_flight = len(self._tasks)
 
@@ -421,10 +437,29 @@ class Runner:
         await self._slots.acquire()
         return await self.executor.run(document, payload, lookup, keys)
 
-    @staticmethod
-    async def _after(task: asyncio.Task[Any]) -> tuple[DocumentOutcome, Tally]:
+    async def _after(self, task: asyncio.Task[tuple[DocumentOutcome, Tally]],
+                     newer: tuple[Document, bytes, list[str]] | None) -> tuple[DocumentOutcome, Tally]:
+        """Waits for ``task``, this document's content in flight. Nothing to write, unless this is a
+        ``newer`` copy: then that outcome again at this position, without its paid work (calls and
+        cache entries are recorded once, by the first)."""
         await asyncio.wait([task])
-        return DocumentOutcome(document=None), Tally()
+        if newer is None or task.cancelled() or task.exception() is not None:
+            return DocumentOutcome(document=None), Tally()
+        document, payload, keys = newer
+        outcome = task.result()[0]
+        if outcome.document is None or len(outcome.results) < len(outcome.stages):
+            # Nothing written, or results kept from the store that this task cannot restate (their
+            # rows may be another version's by the time this commits): computed again, from the
+            # flight, the cache or the claim's holder; no second call.
+            restated = Lookup(results={}, dead={(document.tenant, document.key): set()}, cache={},
+                              restated=frozenset(keys))
+            return await self.executor.run(document, payload, restated, keys)
+        letter = outcome.dead_letter
+        return dataclasses.replace(
+            outcome, document=document, calls=(), cache=(), reviews=(), payload=payload, settles_dead_letters=True,
+            dead_letter=None if letter is None else letter.model_copy(update={"position": document.position,
+                                                                              "payload": payload}),
+        ), Tally()
 
     def _finish(self, task: asyncio.Task[tuple[DocumentOutcome, Tally]]) -> None:
         pending = self._tasks.pop(task)

@@ -246,8 +246,15 @@ async def test_without_when_redeliveries_are_settled_in_the_store(store_url: str
         ("acme", "poison", stage, poison_key),      # an open dead letter
     ]
     assert tenant != "acme"
+    (stream, partition, offset), = rows(store_url, "SELECT stream, partition, message_offset FROM documents "
+                                                   f"WHERE doc_key = '{key}'")
+    at = {(t, k): (stream, partition, offset) for t, k, _, _ in expected}
     unsettled = {("acme", key), (tenant, "doc-0005"), (tenant, "nobody"), ("acme", "poison")}
-    assert store.unsettled("flat", expected) == Store.unsettled(store, "flat", expected) == unsettled
+    assert store.unsettled("flat", expected, at) == Store.unsettled(store, "flat", expected, at) == unsettled
+    # The same content at a newer position is a new version, not a redelivery.
+    newer = {**at, (tenant, key): (stream, partition, offset + 1000)}
+    assert store.unsettled("flat", expected, newer) == Store.unsettled(store, "flat", expected, newer) == {
+        *unsettled, (tenant, key)}
 
     edited = [dict(d, text=d["text"] + " (edited)") if d["id"] in ("doc-0001", "doc-0002") else d for d in docs]
     third = FakeLLM(answer)

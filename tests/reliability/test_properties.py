@@ -1,11 +1,3 @@
-# NOT COLLECTED (the file name does not match test_*.py): the model-based property test of issue 10,
-# parked here because three of its pinned examples fail on a real, still-open bug — a later position
-# of a document whose content equals the stored version is settled against a look-up that can be
-# stale while another version is in flight (x, y, x for one key in one run ends as y: a regression),
-# and a later duplicate's position is not recorded (test_pinned_exact_duplicate_*, *_a_b_a_*,
-# *_older_version_after_a_duplicate_*), and two more on older versions' letters left open by a newer
-# version of the same run (*_older_letter_*). Move it back to tests/reliability/test_properties.py once
-# that is fixed; see the closing note of issue 10. Run: pytest tests/pending/properties_wip.py.
 """The data path against a reference model: generated histories of appends, runs, crashes, re-runs
 and dead-letter replays, with the store compared to what the model says after every step.
 
