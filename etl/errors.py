@@ -92,6 +92,17 @@ class LLMTimeout(TransientLLMError):
     reason = "timeout"
 
 
+class PeerFailed(LLMError):
+    """Another worker's call for the same key (same tenant, stage and content) just ended as a dead
+    letter: this document ends the same way without paying for it again (not cached: a later run
+    may retry it)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"another worker's call for the same content failed ({reason}); "
+                         "`etl dlq replay` retries it")
+        self.reason = reason
+
+
 class BudgetExceeded(LLMError):
     """The tenant's token budget for the day is spent; the document waits in quarantine."""
 

@@ -91,6 +91,8 @@ class Lookup:
     dead_positions: set[tuple[str, int, int]] = field(default_factory=set)
     #: (tenant, doc_key) → position of the stored version: a message older than it is a no-op.
     versions: dict[DocRef, Version] = field(default_factory=dict)
+    #: cache key → reason of the open dead letters in ``dead``.
+    dead_reasons: dict[str, str] = field(default_factory=dict)
 
     #: Cache keys the document already holds at an older position (the same content again): a
     #: newer version served them from the cache without a call record (nothing was paid or saved).
@@ -100,9 +102,12 @@ class Lookup:
         """What a message newer than its document's stored version runs with. The stored results
         and letters are another version's, even for the same content (a producer's retry, an
         A-B-A edit): they sit at an older position, which this version replaces. So it is computed
-        from the cache alone (no call for what is cached), and may settle the older letters."""
-        held = frozenset(found[0] for stage in stages if (found := self.results.get((*ref, stage))) is not None)
-        return Lookup(results={}, dead={ref: set()}, cache=self.cache, restated=held)
+        from the cache alone (no call for what is cached), and settles the older letters: a key
+        that failed at an older position fails here again, with its reason, without a call."""
+        held = {found[0] for stage in stages if (found := self.results.get((*ref, stage))) is not None}
+        dead = self.dead.get(ref, set())
+        return Lookup(results={}, dead={ref: dead}, cache=self.cache, restated=frozenset(held | dead),
+                      dead_reasons={key: self.dead_reasons[key] for key in dead if key in self.dead_reasons})
 
 
 class Store(ABC):

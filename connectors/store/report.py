@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from sqlalchemy import Engine, case, func, inspect, select
 
+from connectors.store.sql import db_now
 from connectors.store.tables import dead_letters, documents, llm_calls, llm_claims, source_positions, stage_results
 
 
@@ -50,9 +50,13 @@ def status(engine: Engine, pipeline: str | None = None,
         .where(where(source_positions))
         .order_by(source_positions.c.pipeline, source_positions.c.stream, source_positions.c.partition),
     }
-    queries["in_flight"] = select(llm_claims.c.owner.label("worker"), func.count().label("claimed_keys")).where(
-        llm_claims.c.expires_at > time.time()).group_by(llm_claims.c.owner)
     with engine.connect() as conn:
+        k = llm_claims.c
+        # Live or expired by the database's clock (the one leases are timed by); a worker long gone
+        # shows as expired until another worker takes its keys.
+        state = case((k.expires_at >= db_now(conn), "live"), else_="expired").label("lease")
+        queries["in_flight"] = select(k.pipeline, k.owner.label("worker"), state, func.count().label("claimed_keys")) \
+            .where(where(llm_claims)).group_by(k.pipeline, k.owner, state).order_by(k.pipeline, k.owner)
         found = {name: [dict(row) for row in conn.execute(query).mappings()] for name, query in queries.items()}
     if end_offsets is not None:
         stored = {(r["stream"], r["partition"]): r for r in found["positions"]}

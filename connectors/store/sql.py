@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from sqlalchemy import (
     Engine,
     MetaData,
     Table,
+    bindparam,
     create_engine,
     delete,
     event,
@@ -44,7 +44,15 @@ from connectors.store.tables import (
     typed_table,
 )
 from connectors.store.security import protect_tenant_table
-from connectors.store.write import BatchWriter, chunks, is_transient, members, rejected_by_value, write_apart
+from connectors.store.write import (
+    BatchWriter,
+    chunks,
+    db_now,
+    is_transient,
+    members,
+    rejected_by_value,
+    write_apart,
+)
 from dedup import Claims
 from schemas import DeadLetter, Position
 
@@ -116,6 +124,10 @@ WHERE NOT EXISTS (SELECT 1 FROM documents AS v WHERE v.pipeline = :pipeline AND 
 """)
 
 
+#: States of a key's claim (besides a failure's reason), as ``claim_many`` returns them.
+MINE, HELD = "mine", "held"
+
+
 class SqlStore(Store, Claims):
     """A :class:`Store` (and the workers' shared :class:`Claims`) on any SQLAlchemy URL that SQLite
     or PostgreSQL understands."""
@@ -172,7 +184,7 @@ class SqlStore(Store, Claims):
                            r.output if outputs else null(), null(), null()).where(r.pipeline == pipeline, of_results),
                     select(literal("doc"), v.tenant, v.doc_key, v.stream, null(), null(), v.partition,
                            v.message_offset).where(v.pipeline == pipeline, of_docs),
-                    select(literal("dead"), d.tenant, d.doc_key, null(), d.cache_key, null(), null(), null()).where(
+                    select(literal("dead"), d.tenant, d.doc_key, d.reason, d.cache_key, null(), null(), null()).where(
                         d.pipeline == pipeline, d.status == "open", of_dead),
                 )
                 for kind, tenant, key, stage, cache_key, output, partition, offset in conn.execute(statement).all():
@@ -184,6 +196,8 @@ class SqlStore(Store, Claims):
                         found.versions[(tenant, key)] = (stage, partition, offset)
                     else:
                         found.dead.setdefault((tenant, key), set()).add(cache_key)
+                        if cache_key is not None:
+                            found.dead_reasons[cache_key] = stage
             # A key whose result is already stored needs no cache look-up (every redelivery).
             stored = {cache_key for cache_key, _ in found.results.values()}
             for (member,) in members(conn, sorted(set(cache_keys) - stored), llm_cache.c.cache_key):
@@ -238,31 +252,58 @@ class SqlStore(Store, Claims):
             return len(found)
 
     def claim(self, key: str, owner: str, lease_s: float) -> bool:
-        return key in self.claim_many([key], owner, lease_s)
+        return self.claim_many([key], owner, lease_s)[key] == MINE
 
-    def claim_many(self, keys: Sequence[str], owner: str, lease_s: float) -> set[str]:
-        """Claims what it can of ``keys`` in one transaction; a key already cached is not claimed
-        (whoever asks should read the cache), so a claim never outlives its result."""
-        now = time.time()
+    def claim_many(self, keys: Sequence[str], owner: str, lease_s: float, pipeline: str | None = None,
+                   waiting: Collection[str] = ()) -> dict[str, str]:
+        """Claims what it can of ``keys`` in one transaction, for ``lease_s`` of the database's
+        clock; returns each key's state: ``MINE``, ``HELD`` by a live claim of another worker, or,
+        for keys in ``waiting`` (the caller saw them held), the reason the holder's call failed.
+        A failed key is free to anyone else (a later run retries it). A key already cached is not
+        claimed (whoever asks should read the cache), so a claim never outlives its result."""
         if not keys:
-            return set()
+            return {}
+        c = llm_claims.c
+        waited = [key for key in keys if key in waiting]
         with self.engine.begin() as conn:
-            wanted = [{"cache_key": k, "owner": owner, "expires_at": now + lease_s} for k in keys]
-            stmt = self._insert(llm_claims)
-            stmt = stmt.on_conflict_do_update(
-                index_elements=["cache_key"],
-                set_={"owner": stmt.excluded.owner, "expires_at": stmt.excluded.expires_at},
-                where=(llm_claims.c.expires_at < now) | (llm_claims.c.owner == owner),
-            ).returning(llm_claims.c.cache_key)
-            claimed = set(conn.execute(stmt, wanted).scalars())
+            now = db_now(conn)
+            claimed: set[str] = set()
+            for group, failure_is_free in ((waited, False), ([k for k in keys if k not in waiting], True)):
+                if not group:
+                    continue
+                stmt = self._insert(llm_claims).values(cache_key=bindparam("k"), owner=owner, pipeline=pipeline,
+                                                       expires_at=now + lease_s, failure=None)
+                free = (c.expires_at < now) | ((c.owner == owner) & c.failure.is_(None))
+                stmt = stmt.on_conflict_do_update(
+                    index_elements=["cache_key"],
+                    set_={"owner": stmt.excluded.owner, "pipeline": stmt.excluded.pipeline,
+                          "expires_at": stmt.excluded.expires_at, "failure": None},
+                    where=(free | c.failure.is_not(None)) if failure_is_free else free,
+                ).returning(c.cache_key)
+                claimed |= set(conn.execute(stmt, [{"k": k} for k in group]).scalars())
             # The key may be cached already (the caller looked before this batch), or a holder may
             # have committed its result (and dropped its claim) just before the insert; this later
             # statement sees that commit, so such a claim is given back.
             late = set(conn.execute(select(llm_cache.c.cache_key).where(llm_cache.c.cache_key.in_(claimed))).scalars()) \
                 if claimed else set()
             if late:
-                conn.execute(delete(llm_claims).where(llm_claims.c.cache_key.in_(late), llm_claims.c.owner == owner))
-            return claimed - late
+                conn.execute(delete(llm_claims).where(c.cache_key.in_(late), c.owner == owner))
+            others = sorted(set(waited) - claimed)
+            failed = dict(conn.execute(select(c.cache_key, c.failure).where(
+                c.cache_key.in_(others), c.failure.is_not(None))).all()) if others else {}
+        return {key: MINE if key in claimed - late else failed.get(key, HELD) for key in keys}
+
+    def renew_claims(self, keys: Sequence[str], owner: str, lease_s: float) -> set[str]:
+        """Extends ``owner``'s live claims on ``keys`` by ``lease_s`` from now (the database's
+        clock); returns the keys still held (a lapsed one may have been taken by another worker)."""
+        if not keys:
+            return set()
+        c = llm_claims.c
+        with self.engine.begin() as conn:
+            now = db_now(conn)
+            return set(conn.execute(update(llm_claims).where(
+                c.cache_key.in_(list(keys)), c.owner == owner, c.failure.is_(None), c.expires_at >= now,
+            ).values(expires_at=now + lease_s).returning(c.cache_key)).scalars())
 
     def tokens_spent(self, tenant: str, since: datetime) -> int:
         """Tokens a tenant's model attempts used since ``since`` (any pipeline): for budgets."""

@@ -176,7 +176,10 @@ llm_claims = Table(
     metadata,
     Column("cache_key", String(64), primary_key=True),
     Column("owner", String(100), nullable=False),
-    Column("expires_at", Float, nullable=False),  # epoch seconds: compared across workers, no time zones
+    Column("expires_at", Float, nullable=False),  # epoch seconds of the database's clock (see db_now)
+    Column("pipeline", String(200)),
+    #: The reason the holder's call ended as a dead letter; waiters take it until the lease ends.
+    Column("failure", String(40)),
 )
 
 # -- quality -------------------------------------------------------------------------------------

@@ -24,9 +24,11 @@ from typing import Any
 from sqlalchemy import (
     ColumnElement,
     Connection,
+    Float,
     Table,
     any_,
     bindparam,
+    cast,
     delete,
     func,
     literal,
@@ -68,6 +70,14 @@ def is_transient(exc: BaseException) -> bool:
 def rejected_by_value(exc: BaseException) -> bool:
     """The store refused a value in the batch (not: the store is away)."""
     return isinstance(exc, _VALUE_ERRORS) and not is_transient(exc)
+
+
+def db_now(conn: Connection) -> ColumnElement[float]:
+    """The database's clock in epoch seconds: every worker's leases are timed by one clock, whatever
+    each worker's own says (SQLite serves one machine, whose clock it reads)."""
+    if conn.dialect.name == "postgresql":
+        return cast(func.extract("epoch", func.clock_timestamp()), Float)
+    return literal_column("((julianday('now') - 2440587.5) * 86400.0)", Float)
 
 
 def chunks(items: list[Any], size: int = CHUNK) -> Iterable[list[Any]]:
@@ -154,10 +164,18 @@ class BatchWriter:
             for o in winners if o.document is not None for stage, output, why in o.reviews
         ]
         upsert(conn, review_queue, reviews, ("pipeline", "tenant", "doc_key", "stage"), None)
-        # Results and failures are durable now: nobody needs to wait on these keys any more.
-        done = sorted(set(cache) | {key for key in letters if key})
-        for (member,) in members(conn, done, llm_claims.c.cache_key):
+        # Results are durable now: nobody needs to wait on these keys any more. A failure is not
+        # cached (a later run may retry it), but workers waiting on its key take it until the
+        # holder's lease ends rather than pay for it again.
+        for (member,) in members(conn, sorted(cache), llm_claims.c.cache_key):
             conn.execute(delete(llm_claims).where(member))
+        failed = [{"k": key, "r": reason} for key, reason in letters.items() if key not in cache]
+        if failed:
+            conn.execute(update(llm_claims).where(llm_claims.c.cache_key == bindparam("k"))
+                         .values(failure=bindparam("r")), failed)
+            # Failures whose lease ended have told every waiter: they go (claims stay few).
+            conn.execute(delete(llm_claims).where(llm_claims.c.failure.is_not(None),
+                                                  llm_claims.c.expires_at < db_now(conn)))
         self._positions(conn, pipeline, batch.positions)
 
     @staticmethod
@@ -234,37 +252,49 @@ class BatchWriter:
 
     @staticmethod
     def _dead_letters(conn: Connection, pipeline: str, batch: Batch, latest: dict[DocRef, DocumentOutcome],
-                      won: set[DocRef]) -> list[str | None]:
+                      won: set[DocRef]) -> dict[str, str]:
         """Settles the open letters of the batch's documents, then writes the batch's own letters;
-        returns their cache keys. A winner supersedes its document's letters at older positions
-        and resolves the one at its own position when it succeeded (``replayed``); a losing
-        version's letter is superseded (and born so when new). Decided from the letters as stored,
+        returns the reason of each letter that has a cache key (a failed stage), by key. A winner
+        supersedes its document's letters at older positions and resolves the one at its own
+        position when it succeeded (``replayed``); a losing version's letter is superseded (and
+        born so when new). Decided from the letters as stored,
         not from what the look-up saw: a letter committed since (another worker's, or this run's
         earlier commit) is settled too."""
         c = dead_letters.c
         winners = {ref: latest[ref] for ref in won}
         at_winner = {version(o): o for o in winners.values()}
         losers = {version(o) for o in batch.outcomes if o.document is not None
-                  and winners.get((o.document.tenant, o.document.key)) is not o}
+                  and winners.get((o.document.tenant, o.document.key)) is not o} - set(at_winner)
         found: list[Any] = []
         columns = (c.id, c.tenant, c.doc_key, c.stream, c.partition, c.message_offset)
-        for (member,) in members(conn, sorted({key for _, key in latest}), c.doc_key):
-            found += conn.execute(select(*columns).where(c.pipeline == pipeline, c.status == "open", member))
-        # Letters of messages that had no document (bad input) are found by position, for outcomes
-        # that may settle one (a dead-letter replay of a message that decodes now).
-        settling = sorted({version(o) for o in batch.outcomes if o.document is not None and o.settles_dead_letters})
-        for chunk in chunks(settling):
-            found += conn.execute(select(*columns).where(
-                c.pipeline == pipeline, c.status == "open", c.doc_key.is_(None),
-                tuple_(c.stream, c.partition, c.message_offset).in_(chunk)))
+        open_ = (c.pipeline == pipeline) & (c.status == "open")
+        keys = sorted({key for _, key in latest})
+        # Letters of the batch's documents, and letters of messages that had no document (bad
+        # input) at their positions (the same message decoding now: a raised max_bytes), in one
+        # statement on PostgreSQL.
+        positions = {version(o) for o in batch.outcomes if o.document is not None}
+        offsets = sorted({offset for _, _, offset in positions})
+        if conn.dialect.name == "postgresql" and keys:
+            found += conn.execute(select(*columns).where(open_, (c.doc_key == any_(bindparam(
+                "keys", keys, type_=postgresql.ARRAY(c.doc_key.type)))) | (c.doc_key.is_(None) & (
+                    c.message_offset == any_(bindparam("offsets", offsets, type_=postgresql.ARRAY(
+                        c.message_offset.type)))))))
+        else:
+            for chunk in chunks(keys):
+                found += conn.execute(select(*columns).where(open_, c.doc_key.in_(chunk)))
+            for chunk in chunks(offsets):
+                found += conn.execute(select(*columns).where(open_, c.doc_key.is_(None), c.message_offset.in_(chunk)))
         settle: dict[str, list[int]] = {"superseded": [], "replayed": []}
         for letter_id, tenant, key, stream, partition, offset in found:
             at = (stream, partition, offset)
-            winner = winners.get((tenant, key))
-            if at in losers or (winner is not None and at < version(winner)):
+            if key is None and at not in positions:
+                continue  # bad input at another position with the same offset
+            winner = winners.get((tenant, key)) if key is not None else at_winner.get(at)
+            if winner is not None and at == version(winner):
+                if winner.dead_letter is None:
+                    settle["replayed"].append(letter_id)
+            elif at in losers or (winner is not None and at < version(winner)):
                 settle["superseded"].append(letter_id)
-            elif at in at_winner and at_winner[at].dead_letter is None:
-                settle["replayed"].append(letter_id)
         for status, ids in settle.items():
             for (member,) in members(conn, ids, c.id):
                 conn.execute(update(dead_letters).where(member).values(status=status))
@@ -287,7 +317,7 @@ class BatchWriter:
                                                     "raw_output", "status")},
             )
             conn.execute(stmt, list(rows.values()))
-        return [row["cache_key"] for row in rows.values()]
+        return {row["cache_key"]: row["reason"][:40] for row in rows.values() if row["cache_key"]}
 
     @staticmethod
     def _positions(conn: Connection, pipeline: str, positions: Mapping[tuple[str, int], int]) -> None:

@@ -215,7 +215,7 @@ def status(
         return
     titles = {"documents": "Documents", "stages": "Results per stage",
               "calls": "LLM calls: spend and cache savings (USD) per tenant, stage, model",
-              "dead_letters": "Dead letters", "in_flight": "In-flight LLM work (live claims)",
+              "dead_letters": "Dead letters", "in_flight": "In-flight LLM work (claims; expired ones are free to take)",
               "positions": "Stored positions and lag"}
     for name, rows in found.items():
         if rows:

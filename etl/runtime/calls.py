@@ -24,12 +24,14 @@ from tenacity import (
 )
 
 from connectors.store import CacheEntry
+from connectors.store.sql import HELD, MINE
 from dedup import cache_key, canonical_json, sha256_hex, stage_fingerprint
 from etl.errors import (
     BudgetExceeded,
     EtlError,
     LLMError,
     OutputError,
+    PeerFailed,
     SchemaInvalid,
     SemanticInvalid,
     StageError,
@@ -90,8 +92,19 @@ class Computed:
 class Peers(Protocol):
     """Single-flight across workers on one store (see :class:`dedup.Claims`)."""
 
-    async def claim(self, key: str) -> bool:
-        """True if this worker may call the model for ``key`` now."""
+    #: Longest pause between two looks at a key another worker holds.
+    max_wait_s: float
+
+    async def claim(self, key: str) -> str:
+        """``MINE`` if this worker may call the model for ``key`` now (its lease is renewed until
+        ``release``), ``HELD`` if another worker is calling it, else the reason the holder's call
+        failed."""
+
+    def lost(self, key: str) -> bool:
+        """Whether this worker's claim on ``key`` lapsed while it held it."""
+
+    def release(self, keys: list[str]) -> None:
+        """The keys' outcomes are committed: stop renewing their claims."""
 
     async def cached(self, key: str) -> CacheEntry | None:
         """The committed output for ``key``, if any worker has committed one."""
@@ -128,19 +141,29 @@ class ModelCalls:
 
     async def claim_or_wait(self, plan: StagePlan, document: Document, key: str) -> Computed:
         """Calls the model only while holding the key's claim; otherwise waits for the holder's
-        committed result (or for its lease to lapse, if it crashed)."""
+        committed result (or for its lease to lapse, if it crashed), or takes the holder's failure.
+        A worker whose lease lapsed while the model worked, and was taken, keeps the attempts it
+        paid for but not its answer: one answer per key is written."""
         if self.peers is None:
             return await self.compute(plan, document, key)
-        delay = 0.05
+        delay, paid = 0.05, []
         while True:
             # A claim is refused for a key that is already cached, so winning one means computing.
-            if await self.peers.claim(key):
-                return await self.compute(plan, document, key)
+            state = await self.peers.claim(key)
+            if state == MINE:
+                computed = await self.compute(plan, document, key)
+                if self.peers.lost(key):
+                    state = await self.peers.claim(key)  # taken meanwhile, or still free?
+                if state == MINE:
+                    return dataclasses.replace(computed, calls=paid + computed.calls) if paid else computed
+                paid += computed.calls
+            if state != HELD:
+                raise StageFailed(PeerFailed(state), paid)
             entry = await self.peers.cached(key)
             if entry is not None:
-                return Computed(entry=entry, calls=[], attempts=0, latency_ms=0.0, from_peer=True)
+                return Computed(entry=entry, calls=paid, attempts=0, latency_ms=0.0, from_peer=True)
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            delay = min(delay * 2, self.peers.max_wait_s)
 
     async def compute(self, plan: StagePlan, document: Document, key: str | None = None) -> Computed:
         """Asks the model, retrying transient failures and re-asking (``repairs`` times) after an

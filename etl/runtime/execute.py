@@ -167,8 +167,15 @@ class Executor:
                     outputs[stage.name] = reused
                 continue
             if key in lookup.dead.get(ref, ()) and not self.retry_dead_letters:
-                # Already ended as a dead letter for this content and fingerprint: a no-op too.
                 tally.stored_hits += 1
+                if key in lookup.restated:
+                    # This content failed at an older position of the document: the newer copy
+                    # ends the same way, at its own position, without a call.
+                    reason = lookup.dead_reasons.get(key, "stage_error")
+                    return self._dead(document, payload, stage.name, key, reason,
+                                      f"the same content already failed ({reason}) at an older position; "
+                                      "`etl dlq replay` retries it", None, work, settles)
+                # Already ended as a dead letter for this content and fingerprint: a no-op too.
                 return DocumentOutcome(document=None)
             entry = lookup.cache.get(key)
             # A cached answer the stage's checks now refuse is asked again (without claims: a cached
@@ -200,6 +207,9 @@ class Executor:
                 tally.stored_hits += 1  # what this document held already, at an older position
                 attempts, latency = 0, 0.0
             elif shared:
+                if computed is not None and computed.calls:  # attempts paid before a lost lease
+                    tally.llm_calls += len(computed.calls)
+                    work.calls.extend(computed.calls)
                 tally.cache_hits += 1
                 tally.saved_cost += entry.cost
                 work.calls.append(record(document, stage.name, key, entry.model, "cache_hit",

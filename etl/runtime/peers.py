@@ -11,13 +11,19 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from connectors.store import CacheEntry, Lookup, SqlStore
+from connectors.store.sql import HELD, MINE
 
 StoreCall = Callable[..., Awaitable[Any]]
 Fetch = Callable[[list[str]], Awaitable[dict[str, Any]]]
 
 
 class StorePeers:
-    """The executor's :class:`etl.runtime.execute.Peers`, on a :class:`SqlStore` shared by every worker."""
+    """The executor's :class:`etl.runtime.execute.Peers`, on a :class:`SqlStore` shared by every worker.
+
+    Keys this worker claimed are held until their outcome commits (``release``): their leases are
+    renewed every third of a lease in one statement, so a slow call never outlives its claim; a key
+    whose renewal failed (a stall longer than the lease) is ``lost``.
+    """
 
     def __init__(self, call: StoreCall, store: SqlStore, pipeline: str, worker_id: str, lease_s: float) -> None:
         self._call = call  # the runner's store call: its thread pool, its retries of restarts
@@ -25,23 +31,62 @@ class StorePeers:
         self._pipeline = pipeline
         self._worker_id = worker_id
         self._lease_s = lease_s
-        self._claims: dict[str, asyncio.Future[bool]] = {}
+        #: Longest pause between two looks at a key another worker holds: well inside a lease, so
+        #: a holder's failure (kept until its lease ends) is seen.
+        self.max_wait_s = min(1.0, lease_s / 4)
+        self._claims: dict[str, asyncio.Future[str]] = {}
         self._cached: dict[str, asyncio.Future[CacheEntry | None]] = {}
         self._background: set[asyncio.Future[None]] = set()
+        self._held: set[str] = set()
+        #: Keys this worker found held by another: waiting for that holder's outcome.
+        self._waiting: set[str] = set()
+        self._lost: set[str] = set()
+        self._renewing: asyncio.Task[None] | None = None
 
-    async def claim(self, key: str) -> bool:
-        return await self._batched(self._claims, key, self._claim_many)  # type: ignore[no-any-return]
+    async def claim(self, key: str) -> str:
+        state: str = await self._batched(self._claims, key, self._claim_many)
+        if state == HELD:
+            self._waiting.add(key)
+        else:
+            self._waiting.discard(key)
+        if state == MINE:
+            self._held.add(key)
+            self._lost.discard(key)
+            if self._renewing is None or self._renewing.done():
+                self._renewing = asyncio.ensure_future(self._renew())
+        return state
+
+    def lost(self, key: str) -> bool:
+        return key in self._lost
+
+    def release(self, keys: list[str]) -> None:
+        """The keys' outcomes are committed (the claims are gone or carry the failure)."""
+        self._held.difference_update(keys)
+        self._lost.difference_update(keys)
+        self._waiting.difference_update(keys)
 
     async def cached(self, key: str) -> CacheEntry | None:
         return await self._batched(self._cached, key, self._cached_many)  # type: ignore[no-any-return]
 
-    async def _claim_many(self, keys: list[str]) -> dict[str, bool]:
-        claimed = await self._call(self._store.claim_many, keys, self._worker_id, self._lease_s)
-        return {key: key in claimed for key in keys}
+    async def _claim_many(self, keys: list[str]) -> dict[str, str]:
+        return await self._call(self._store.claim_many, keys, self._worker_id, self._lease_s,  # type: ignore[no-any-return]
+                                self._pipeline, self._waiting & set(keys))
 
     async def _cached_many(self, keys: list[str]) -> dict[str, CacheEntry | None]:
         found: Lookup = await self._call(self._store.lookup, self._pipeline, [], keys)
         return {key: found.cache.get(key) for key in keys}
+
+    async def _renew(self) -> None:
+        while self._held:
+            await asyncio.sleep(self._lease_s / 3)
+            keys = sorted(self._held - self._lost)
+            if not keys:
+                continue
+            try:
+                held = await self._call(self._store.renew_claims, keys, self._worker_id, self._lease_s)
+            except Exception:  # noqa: BLE001 - the store is away: the next turn tries again
+                continue
+            self._lost.update((set(keys) - held) & self._held)  # released meanwhile: not lost
 
     async def _batched(self, pending: dict[str, asyncio.Future[Any]], key: str, fetch: Fetch) -> Any:
         future = pending.get(key)

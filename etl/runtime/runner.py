@@ -76,6 +76,8 @@ class _Pending:
     task: asyncio.Task[Any] | None = None
     #: Holds one of the window's slots (model work started), given back when its outcome commits.
     slot: bool = False
+    #: Keys whose results the document already held (stored, or in flight): not counted as written.
+    restated: frozenset[str] = frozenset()
 
 
 class Runner:
@@ -99,7 +101,7 @@ class Runner:
         self._reported = (0, 0)  # (messages, hits) already counted in metrics
         self._lag_checked = 0.0
         self.worker_id = uuid.uuid4().hex[:16]
-        peers = StorePeers(self._store, store, pipeline.name, self.worker_id, self.claim_lease_s) \
+        self._peers = peers = StorePeers(self._store, store, pipeline.name, self.worker_id, self.claim_lease_s) \
             if isinstance(store, SqlStore) else None
         plans: dict[str, list[StagePlan]] = {}
 
@@ -327,7 +329,10 @@ class Runner:
             # round trip only while most documents turn out stored, as in a replay.
             expected = [(doc.tenant, doc.key, stage, key) for doc, _, _, doc_keys in decoded
                         for stage, key in zip(executor.stage_names(doc.tenant), doc_keys, strict=True)]
-            at = {(doc.tenant, doc.key): (m.stream, m.partition, m.offset) for doc, m, _, _ in decoded}
+            at: dict[DocRef, Version] = {}
+            for doc, m, _, _ in decoded:  # a document twice in the batch: its newest position decides
+                ref = (doc.tenant, doc.key)
+                at[ref] = max(at.get(ref, (m.stream, m.partition, m.offset)), (m.stream, m.partition, m.offset))
             unsettled = await self._store(self.store.unsettled, self.pipeline.name, expected, at)
             rest = []
             for item in decoded:
@@ -386,15 +391,15 @@ class Runner:
                 assert live is not None  # noqa: S101
                 self._live[ref] = (live[0], self._start(
                     self._after(live[1], (decoder.document(doc, message), message.value, doc_keys)),
-                    _Pending(message.position, epoch, ref, doc_keys)), at)
+                    _Pending(message.position, epoch, ref, doc_keys, restated=frozenset(doc_keys))), at)
                 continue
             if way is Route.STORED and (hits := executor.try_stored(doc, lookup, doc_keys)) is not None:
                 settled += 1
                 self._settle(message, epoch, hits)
                 continue
             document = decoder.document(doc, message)
-            pending = _Pending(message.position, epoch, ref, doc_keys, slot=True)
             looked_up = lookup.for_newer_version(ref, executor.stage_names(doc.tenant)) if way is Route.NEWER else lookup
+            pending = _Pending(message.position, epoch, ref, doc_keys, slot=True, restated=looked_up.restated)
             self._live[ref] = (doc.content_hash, self._start(
                 self._work(document, message.value, looked_up, doc_keys), pending), at)
         self._mostly_redeliveries = settled * 2 >= documents
@@ -447,16 +452,16 @@ class Runner:
             return DocumentOutcome(document=None), Tally()
         document, payload, keys = newer
         outcome = task.result()[0]
-        if outcome.document is None or len(outcome.results) < len(outcome.stages):
-            # Nothing written, or results kept from the store that this task cannot restate (their
-            # rows may be another version's by the time this commits): computed again, from the
-            # flight, the cache or the claim's holder; no second call.
+        if outcome.document is None or (outcome.dead_letter is None and len(outcome.results) < len(outcome.stages)):
+            # Nothing written, or valid results kept from the store that this task cannot restate
+            # (their rows may be another version's by the time this commits): taken again from the
+            # flight or the cache (they are valid answers: no call).
             restated = Lookup(results={}, dead={(document.tenant, document.key): set()}, cache={},
                               restated=frozenset(keys))
             return await self.executor.run(document, payload, restated, keys)
         letter = outcome.dead_letter
         return dataclasses.replace(
-            outcome, document=document, calls=(), cache=(), reviews=(), payload=payload, settles_dead_letters=True,
+            outcome, document=document, calls=(), cache=(), payload=payload, settles_dead_letters=True,
             dead_letter=None if letter is None else letter.model_copy(update={"position": document.position,
                                                                               "payload": payload}),
         ), Tally()
@@ -483,13 +488,15 @@ class Runner:
         await self._source(source.commit, batch.positions)
         self._last_flush = time.perf_counter()
         for outcome, pending in done:
-            self.stats.results_written += len(outcome.results)
+            self.stats.results_written += sum(r.provenance.cache_key not in pending.restated for r in outcome.results)
             self.stats.dead_letters += outcome.dead_letter is not None
             if pending.ref is not None and self._live.get(pending.ref, ("", None))[1] is pending.task:
                 del self._live[pending.ref]
             if pending.slot:
                 self._slots.release()
             self.executor.flights.forget(pending.keys)
+            if self._peers is not None:
+                self._peers.release(pending.keys)
         log.debug("flushed", pipeline=self.pipeline.name, outcomes=len(done), positions=len(batch.positions))
         if self.metrics is not None:
             await self._report(batch)

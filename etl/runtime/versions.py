@@ -35,8 +35,10 @@ def route(at: Version, stored: Version | None, live: tuple[str, Version] | None,
     version of this document in flight in this run, if any."""
     if stored is not None and stored > at:
         return Route.OLDER
+    if stored is not None and stored == at and (live is None or live[0] != content_hash):
+        return Route.STORED  # a redelivery of the stored version: whatever else is in flight
     if live is not None and live[0] == content_hash:
         return Route.WAIT if at <= live[1] else Route.RESTATE
-    if (stored is not None and stored < at) or live is not None:
+    if stored is not None or live is not None:
         return Route.NEWER
     return Route.STORED

@@ -19,7 +19,7 @@ from connectors.sources import Message, Source
 from connectors.sources.dead_letters import DeadLetterSource
 from connectors.store import Batch, DocumentOutcome, SqlStore, make_engine
 from dedup import content_hash
-from etl import Classify, Decoder, Extract, Pipeline, label_in, non_negative, run_pipeline
+from etl import Classify, Decoder, Extract, Pipeline, Settings, Truncated, label_in, non_negative, run_pipeline
 from etl.runtime.execute import StagePlan
 from etl.llm.base import LLMRequest, LLMResponse
 from etl.runtime.wiring import build_runner
@@ -291,7 +291,9 @@ async def test_case5_a_failed_later_stage_keeps_results_attempts_and_releases_cl
     assert rows(store_url, "SELECT doc_key, stage, outcome FROM llm_calls ORDER BY doc_key, id") == [
         ("k", "kind", "ok"), ("k", "amount", "repair"), ("k", "amount", "failed"),
         ("n", "kind", "ok"), ("n", "amount", "repair"), ("n", "amount", "failed")]
-    assert rows(store_url, "SELECT count(*) FROM llm_claims")[0][0] == 0
+    # No claim blocks anyone: the failed keys' claims carry their reason, for workers that were
+    # waiting on them (until the lease ends); any other claimer takes them at once.
+    assert sorted(rows(store_url, "SELECT failure FROM llm_claims")) == [("schema_invalid",), ("schema_invalid",)]
     assert rows(store_url, "SELECT round(CAST(sum(cost) AS numeric), 6) FROM llm_calls")[0][0] > 0
     again = FakeLLM(answer)
     await run_pipeline(two_stage(ListSource(docs), store_url), llm=again)
@@ -451,3 +453,75 @@ async def test_case2_an_answer_holding_a_lone_surrogate_keeps_its_own_reason(sto
     assert stats.dead_letters == 1
     assert rows(store_url, "SELECT reason FROM dead_letters") == [("schema_invalid",)]
     assert rows(store_url, "SELECT count(*) FROM llm_calls") == [(2,)]  # the answer and its repair
+
+
+# -- found by review of the version fix: each failed before it -------------------------------------
+
+async def test_a_newer_copy_before_its_stored_position_in_one_batch_is_kept(store_url: str) -> None:
+    """Without when= (the redelivery fast path): A stored at (0, 0); then one batch holding A at
+    (1, 0) and A at (0, 0) again, and B at (0, 1) after it. A at (1, 0) is the newest version."""
+    class Polled(TwoPartitions):
+        def poll(self, max_records: int, timeout_s: float) -> list[Message] | None:
+            batch, self.messages = self.messages[:max_records], self.messages[max_records:]
+            return [Message(value=v, stream="two", partition=p, offset=o) for p, o, v in batch] or None
+
+    def flat(messages: list[tuple[int, int, bytes]]) -> Pipeline:
+        return Pipeline("p", Polled(messages), [Classify(LABELS, name="kind")], store=store_url)
+
+    a, b = b'{"id": "k", "text": "A"}', b'{"id": "k", "text": "B"}'
+    two_per_poll = Settings(max_in_flight=4, flush_size=100, flush_interval_s=0.02)
+    await run_pipeline(flat([(0, 0, a)]), two_per_poll, llm=FakeLLM(labelled({})))
+    await run_pipeline(flat([(1, 0, a), (0, 0, a), (0, 1, b)]), two_per_poll, llm=FakeLLM(labelled({})))
+    assert rows(store_url, "SELECT partition, message_offset, content_hash FROM documents") == [
+        (1, 0, content_hash("A"))]
+
+
+async def test_failed_content_again_at_a_newer_position_costs_no_call(store_url: str) -> None:
+    """The same bytes again (a producer's retry) after they ended as a refusal: the letter moves to
+    the newest position, with its reason, and the model is not asked again."""
+    refuse = "I'm sorry, I can't help with that."
+    doc = {"id": "x", "text": "hello"}
+    await run_pipeline(two_stage(ListSource([doc]), store_url), llm=FakeLLM(lambda _: refuse))
+    again = FakeLLM(lambda _: refuse)
+    await run_pipeline(two_stage(ListSource([doc, doc]), store_url), llm=again)
+    assert again.calls == []
+    assert state(store_url)["letters"] == [("x", 0, "superseded", "refusal"), ("x", 1, "open", "refusal")]
+
+
+async def test_a_changed_stage_failing_for_two_copies_is_asked_once(store_url: str) -> None:
+    """A stored; the Extract stage changes and now truncates; A, A in one run: the second copy takes
+    the first one's letter, not a second call."""
+    doc = {"id": "x", "text": "t"}
+    await run_pipeline(two_stage(ListSource([doc]), store_url), llm=FakeLLM(labelled({"t": "a"})))
+
+    def truncate(request: LLMRequest, _n: int) -> Exception | None:
+        return Truncated("max tokens") if "label" not in request.json_schema.get("properties", {}) else None
+
+    pipeline = Pipeline("hostile", ListSource([doc, doc]), [
+        Classify(LABELS, "Pick.", name="kind"), Extract(Amount, "Extract v2.", when=label_in("kind", "a"))],
+        store=store_url)
+    llm = FakeLLM(labelled({"t": "a"}), fault=truncate, latency_s=0.01)
+    await run_pipeline(pipeline, llm=llm)
+    assert sum("label" not in r.json_schema.get("properties", {}) for r in llm.calls) == 1
+    assert state(store_url)["letters"][-1][1:3] == (1, "open")
+
+
+async def test_bad_input_that_decodes_later_leaves_quarantine(store_url: str) -> None:
+    """A message too big for max_bytes=64 is bad input (a letter without tenant or key); with
+    max_bytes raised the same message decodes and succeeds: its letter is resolved."""
+    value = json.dumps({"id": "x", "text": "hello " * 30}).encode()
+    await run_pipeline(two_stage(ListSource([value]), store_url, decoder=Decoder(max_bytes=64)), llm=FakeLLM(labelled({})))
+    assert [r[2:] for r in state(store_url)["letters"]] == [("open", "bad_input")]
+    await run_pipeline(two_stage(ListSource([value]), store_url, decoder=Decoder(max_bytes=4096)),
+                       llm=FakeLLM(labelled({})))
+    assert [r[2:] for r in state(store_url)["letters"]] == [("replayed", "bad_input")]
+
+
+async def test_review_samples_survive_a_newer_copy(store_url: str) -> None:
+    from etl.tenancy import ReviewSampling
+
+    doc = {"id": "x", "text": "hello"}
+    pipeline = Pipeline("p", ListSource([doc, doc]), [Classify(LABELS, name="kind")], store=store_url,
+                        review=ReviewSampling(rate=0.0, below_confidence=None))
+    await run_pipeline(pipeline, llm=FakeLLM(labelled({})))
+    assert rows(store_url, "SELECT doc_key, sampled_because FROM review_queue") == [("x", "first_label")]

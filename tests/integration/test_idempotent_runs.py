@@ -271,5 +271,5 @@ async def test_a_cached_key_is_never_claimed(store_url: str) -> None:
                        llm=FakeLLM())
     cached = [key for (key,) in rows(store_url, "SELECT cache_key FROM llm_cache")]
     store = SqlStore(store_url)
-    assert store.claim_many([*cached, "f" * 64], "worker-a", 30) == {"f" * 64}
+    assert store.claim_many([*cached, "f" * 64], "worker-a", 30) == {**dict.fromkeys(cached, "held"), "f" * 64: "mine"}
     assert rows(store_url, "SELECT cache_key, owner FROM llm_claims") == [("f" * 64, "worker-a")]

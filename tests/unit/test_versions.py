@@ -24,7 +24,8 @@ def at(offset: int, partition: int = 0) -> tuple[str, int, int]:
     (at(5), None, (A, at(5)), A, Route.WAIT),             # a redelivery of what is in flight
     (at(4), None, (A, at(5)), A, Route.WAIT),             # an older copy of what is in flight
     (at(6), at(4), (B, at(5)), A, Route.NEWER),           # A, B, A: never settled against A's old results
-    (at(4), at(4), (B, at(5)), A, Route.NEWER),           # another version in flight: the store decides
+    (at(4), at(4), (B, at(5)), A, Route.STORED),          # a redelivery of the stored version, B in flight
+    (at(4), None, (B, at(5)), A, Route.NEWER),            # another version in flight: the store decides
     (at(3), at(4), (B, at(5)), A, Route.OLDER),
 ])
 def test_route(message: tuple[str, int, int], stored: tuple[str, int, int] | None,
