@@ -258,12 +258,13 @@ class SqlStore(Store, Claims):
                    waiting: Collection[str] = ()) -> dict[str, str]:
         """Claims what it can of ``keys`` in one transaction, for ``lease_s`` of the database's
         clock; returns each key's state: ``MINE``, ``HELD`` by a live claim of another worker, or,
-        for keys in ``waiting`` (the caller saw them held), the reason the holder's call failed.
-        A failed key is free to anyone else (a later run retries it). A key already cached is not
+        for keys in ``waiting`` (the caller saw them held), the reason the holder's call failed
+        (however long ago). A failed key is free to anyone else (a later run retries it). A key already cached is not
         claimed (whoever asks should read the cache), so a claim never outlives its result."""
         if not keys:
             return {}
         c = llm_claims.c
+        keys = sorted(set(keys))  # one lock order for every worker: concurrent claims never deadlock
         waited = [key for key in keys if key in waiting]
         with self.engine.begin() as conn:
             now = db_now(conn)
@@ -273,7 +274,7 @@ class SqlStore(Store, Claims):
                     continue
                 stmt = self._insert(llm_claims).values(cache_key=bindparam("k"), owner=owner, pipeline=pipeline,
                                                        expires_at=now + lease_s, failure=None)
-                free = (c.expires_at < now) | ((c.owner == owner) & c.failure.is_(None))
+                free = ((c.expires_at < now) | (c.owner == owner)) & c.failure.is_(None)
                 stmt = stmt.on_conflict_do_update(
                     index_elements=["cache_key"],
                     set_={"owner": stmt.excluded.owner, "pipeline": stmt.excluded.pipeline,
@@ -294,15 +295,16 @@ class SqlStore(Store, Claims):
         return {key: MINE if key in claimed - late else failed.get(key, HELD) for key in keys}
 
     def renew_claims(self, keys: Sequence[str], owner: str, lease_s: float) -> set[str]:
-        """Extends ``owner``'s live claims on ``keys`` by ``lease_s`` from now (the database's
-        clock); returns the keys still held (a lapsed one may have been taken by another worker)."""
+        """Extends ``owner``'s claims on ``keys`` by ``lease_s`` from now (the database's clock);
+        returns the keys still held. A claim that lapsed but was not taken is still this owner's
+        (a late renewal, e.g. behind a lock); one another worker took is not."""
         if not keys:
             return set()
         c = llm_claims.c
         with self.engine.begin() as conn:
             now = db_now(conn)
             return set(conn.execute(update(llm_claims).where(
-                c.cache_key.in_(list(keys)), c.owner == owner, c.failure.is_(None), c.expires_at >= now,
+                c.cache_key.in_(sorted(keys)), c.owner == owner, c.failure.is_(None),
             ).values(expires_at=now + lease_s).returning(c.cache_key)).scalars())
 
     def tokens_spent(self, tenant: str, since: datetime) -> int:

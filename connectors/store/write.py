@@ -173,9 +173,9 @@ class BatchWriter:
         if failed:
             conn.execute(update(llm_claims).where(llm_claims.c.cache_key == bindparam("k"))
                          .values(failure=bindparam("r")), failed)
-            # Failures whose lease ended have told every waiter: they go (claims stay few).
+            # Failures a minute past their lease have told every waiter: they go (claims stay few).
             conn.execute(delete(llm_claims).where(llm_claims.c.failure.is_not(None),
-                                                  llm_claims.c.expires_at < db_now(conn)))
+                                                  llm_claims.c.expires_at < db_now(conn) - 60))
         self._positions(conn, pipeline, batch.positions)
 
     @staticmethod

@@ -12,7 +12,9 @@ from typing import Any
 
 from connectors.store import CacheEntry, Lookup, SqlStore
 from connectors.store.sql import HELD, MINE
+from etl.log import get_logger
 
+log = get_logger("etl.runtime.peers")
 StoreCall = Callable[..., Awaitable[Any]]
 Fetch = Callable[[list[str]], Awaitable[dict[str, Any]]]
 
@@ -86,7 +88,10 @@ class StorePeers:
                 held = await self._call(self._store.renew_claims, keys, self._worker_id, self._lease_s)
             except Exception:  # noqa: BLE001 - the store is away: the next turn tries again
                 continue
-            self._lost.update((set(keys) - held) & self._held)  # released meanwhile: not lost
+            lost = (set(keys) - held) & self._held  # released meanwhile: not lost
+            if lost:
+                log.warning("lease_lost", keys=len(lost))
+                self._lost.update(lost)
 
     async def _batched(self, pending: dict[str, asyncio.Future[Any]], key: str, fetch: Fetch) -> Any:
         future = pending.get(key)
