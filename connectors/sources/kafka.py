@@ -85,6 +85,8 @@ class KafkaSource(Source):
         self._last_poll = time.monotonic()
         #: Longest the consumer goes unpolled while the runner is full (far below max.poll.interval.ms).
         self.keepalive_s = 5.0
+        #: How long ``open`` keeps trying to reach the broker (one restarting) before it gives up.
+        self.connect_timeout_s = 60.0
         #: Largest dead-letter value published whole (below Kafka's default 1 MiB message limits).
         self.dlq_max_bytes = 900_000
         self._end: dict[TopicPartition, int] | None = None
@@ -99,15 +101,26 @@ class KafkaSource(Source):
             "max_poll_records": 500,
             **self.consumer_config,
         }
-        try:
-            if self.replay_from is not None:
-                self.consumer = KafkaConsumer(group_id=None, **config)
-                self._assign_for_replay()
-            else:
-                self.consumer = KafkaConsumer(group_id=self.group, **config)
-                self.consumer.subscribe([self.topic], listener=_Rebalance(self, ledger))
-        except KafkaError as exc:
-            raise KafkaUnavailable(f"cannot reach Kafka at {self.bootstrap}: {type(exc).__name__}") from exc
+        # A worker started while the broker restarts waits for it, as the runner waits for the store.
+        deadline = time.monotonic() + self.connect_timeout_s
+        while True:
+            try:
+                if self.replay_from is not None:
+                    self.consumer = KafkaConsumer(group_id=None, **config)
+                    self._assign_for_replay()
+                else:
+                    self.consumer = KafkaConsumer(group_id=self.group, **config)
+                    self.consumer.subscribe([self.topic], listener=_Rebalance(self, ledger))
+                return
+            except KafkaError as exc:
+                if self.consumer is not None:
+                    self.consumer.close()
+                    self.consumer = None
+                if time.monotonic() >= deadline:
+                    raise KafkaUnavailable(f"cannot reach Kafka at {self.bootstrap} for {self.connect_timeout_s:.0f} s: "
+                                           f"{type(exc).__name__}; is the broker up?") from exc
+                log.warning("kafka_unavailable", bootstrap=self.bootstrap, error=type(exc).__name__)
+                time.sleep(1.0)
 
     def _assign_for_replay(self) -> None:
         consumer = self.consumer
