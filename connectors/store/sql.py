@@ -49,6 +49,7 @@ from connectors.store.write import (
     chunks,
     db_now,
     is_transient,
+    lock_claims,
     members,
     rejected_by_value,
     write_apart,
@@ -259,29 +260,33 @@ class SqlStore(Store, Claims):
         """Claims what it can of ``keys`` in one transaction, for ``lease_s`` of the database's
         clock; returns each key's state: ``MINE``, ``HELD`` by a live claim of another worker, or,
         for keys in ``waiting`` (the caller saw them held), the reason the holder's call failed
-        (however long ago). A failed key is free to anyone else (a later run retries it). A key already cached is not
-        claimed (whoever asks should read the cache), so a claim never outlives its result."""
+        (however long ago). A failed key is free to anyone else (a later run retries it). A key
+        already cached is not claimed (whoever asks should read the cache), so a claim never
+        outlives its result."""
         if not keys:
             return {}
         c = llm_claims.c
         keys = sorted(set(keys))  # one lock order for every worker: concurrent claims never deadlock
-        waited = [key for key in keys if key in waiting]
         with self.engine.begin() as conn:
             now = db_now(conn)
-            claimed: set[str] = set()
-            for group, failure_is_free in ((waited, False), ([k for k in keys if k not in waiting], True)):
-                if not group:
-                    continue
-                stmt = self._insert(llm_claims).values(cache_key=bindparam("k"), owner=owner, pipeline=pipeline,
-                                                       expires_at=now + lease_s, failure=None)
-                free = ((c.expires_at < now) | (c.owner == owner)) & c.failure.is_(None)
-                stmt = stmt.on_conflict_do_update(
-                    index_elements=["cache_key"],
-                    set_={"owner": stmt.excluded.owner, "pipeline": stmt.excluded.pipeline,
-                          "expires_at": stmt.excluded.expires_at, "failure": None},
-                    where=(free | c.failure.is_not(None)) if failure_is_free else free,
-                ).returning(c.cache_key)
-                claimed |= set(conn.execute(stmt, [{"k": k} for k in group]).scalars())
+            # One statement over every key, in sorted order, then failed keys no one waited on:
+            # every worker locks claims in one order (two groups in two orders deadlocked, and
+            # the holder's renewal, stuck behind the lock, lapsed).
+            stmt = self._insert(llm_claims).values(cache_key=bindparam("k"), owner=owner, pipeline=pipeline,
+                                                   expires_at=now + lease_s, failure=None)
+            stmt = stmt.on_conflict_do_update(
+                index_elements=["cache_key"],
+                set_={"owner": stmt.excluded.owner, "pipeline": stmt.excluded.pipeline,
+                      "expires_at": stmt.excluded.expires_at, "failure": None},
+                # Free once expired; a worker's own live claim is its own; never a failed one here.
+                where=((c.expires_at < now) | (c.owner == owner)) & c.failure.is_(None),
+            ).returning(c.cache_key)
+            claimed = set(conn.execute(stmt, [{"k": k} for k in keys]).scalars())
+            retry = [key for key in keys if key not in claimed and key not in waiting]
+            if retry:  # a failure is free to anyone who was not waiting on it (a later run retries)
+                claimed |= set(conn.execute(update(llm_claims).where(c.cache_key.in_(retry), c.failure.is_not(None))
+                                            .values(owner=owner, pipeline=pipeline, expires_at=now + lease_s,
+                                                    failure=None).returning(c.cache_key)).scalars())
             # The key may be cached already (the caller looked before this batch), or a holder may
             # have committed its result (and dropped its claim) just before the insert; this later
             # statement sees that commit, so such a claim is given back.
@@ -289,7 +294,7 @@ class SqlStore(Store, Claims):
                 if claimed else set()
             if late:
                 conn.execute(delete(llm_claims).where(c.cache_key.in_(late), c.owner == owner))
-            others = sorted(set(waited) - claimed)
+            others = [key for key in keys if key in waiting and key not in claimed]
             failed = dict(conn.execute(select(c.cache_key, c.failure).where(
                 c.cache_key.in_(others), c.failure.is_not(None))).all()) if others else {}
         return {key: MINE if key in claimed - late else failed.get(key, HELD) for key in keys}
@@ -303,6 +308,7 @@ class SqlStore(Store, Claims):
         c = llm_claims.c
         with self.engine.begin() as conn:
             now = db_now(conn)
+            lock_claims(conn, sorted(keys))
             return set(conn.execute(update(llm_claims).where(
                 c.cache_key.in_(sorted(keys)), c.owner == owner, c.failure.is_(None),
             ).values(expires_at=now + lease_s).returning(c.cache_key)).scalars())

@@ -80,6 +80,15 @@ def db_now(conn: Connection) -> ColumnElement[float]:
     return literal_column("((julianday('now') - 2440587.5) * 86400.0)", Float)
 
 
+def lock_claims(conn: Connection, keys: list[str]) -> None:
+    """Locks the claim rows of ``keys`` in key order, before a transaction changes them: every
+    statement that locks claims (claiming, renewing, releasing) takes them in that one order, so two
+    workers never deadlock on them (a deadlock's second lost, then a renewal behind it lapsed)."""
+    c = llm_claims.c
+    for (member,) in members(conn, keys, c.cache_key):
+        conn.execute(select(c.cache_key).where(member).order_by(c.cache_key).with_for_update())
+
+
 def chunks(items: list[Any], size: int = CHUNK) -> Iterable[list[Any]]:
     for start in range(0, len(items), size):
         yield items[start : start + size]
@@ -104,11 +113,14 @@ def insert(conn: Connection, table: Table) -> Any:
 
 
 def upsert(conn: Connection, table: Table, rows: list[dict[str, Any]], keys: Sequence[str],
-           changed_when: str | None) -> None:
+           changed_when: str | None, *, in_key_order: bool = True) -> None:
     """Inserts rows; on a key conflict updates the row only where ``changed_when`` differs (so a
     redelivery rewrites nothing), or does nothing when ``changed_when`` is None."""
     if not rows:
         return
+    # Rows in key order: two workers writing the same keys lock them in one order (no deadlock).
+    if in_key_order:
+        rows = sorted(rows, key=lambda row: tuple(str(row[k]) for k in keys))
     stmt = insert(conn, table)
     if changed_when is None:
         stmt = stmt.on_conflict_do_nothing(index_elements=list(keys))
@@ -156,7 +168,8 @@ class BatchWriter:
         upsert(conn, llm_cache, list(cache.values()), ("cache_key",), None)
         # Waiters on one failed call share its attempts: each attempt is written once, by its id.
         calls = {c.call_id: {"pipeline": pipeline, **c.model_dump()} for o in batch.outcomes for c in o.calls}
-        upsert(conn, llm_calls, list(calls.values()), ("call_id",), None)
+        # Attempts keep their order (ids follow time); their ids are their own, never contended.
+        upsert(conn, llm_calls, list(calls.values()), ("call_id",), None, in_key_order=False)
         letters = self._dead_letters(conn, pipeline, batch, latest, won)
         reviews = [
             {"pipeline": pipeline, "tenant": o.document.tenant, "stage": stage, "doc_key": o.document.key,
@@ -167,9 +180,10 @@ class BatchWriter:
         # Results are durable now: nobody needs to wait on these keys any more. A failure is not
         # cached (a later run may retry it), but workers waiting on its key take it until the
         # holder's lease ends rather than pay for it again.
+        failed = [{"k": key, "r": reason} for key, reason in sorted(letters.items()) if key not in cache]
+        lock_claims(conn, sorted(set(cache) | {row["k"] for row in failed}))
         for (member,) in members(conn, sorted(cache), llm_claims.c.cache_key):
             conn.execute(delete(llm_claims).where(member))
-        failed = [{"k": key, "r": reason} for key, reason in letters.items() if key not in cache]
         if failed:
             conn.execute(update(llm_claims).where(llm_claims.c.cache_key == bindparam("k"))
                          .values(failure=bindparam("r")), failed)
@@ -187,7 +201,7 @@ class BatchWriter:
         if not latest:
             return set(), set()
         rows = []
-        for (tenant, key), outcome in latest.items():
+        for (tenant, key), outcome in sorted(latest.items()):
             doc = outcome.document
             assert doc is not None  # noqa: S101
             rows.append({"pipeline": pipeline, "tenant": tenant, "doc_key": key, "content_hash": doc.content_hash,
@@ -316,7 +330,7 @@ class BatchWriter:
                 set_={c: stmt.excluded[c] for c in ("tenant", "doc_key", "stage", "cache_key", "reason", "detail",
                                                     "raw_output", "status")},
             )
-            conn.execute(stmt, list(rows.values()))
+            conn.execute(stmt, [rows[p] for p in sorted(rows)])
         return {row["cache_key"]: row["reason"][:40] for row in rows.values() if row["cache_key"]}
 
     @staticmethod
@@ -324,7 +338,7 @@ class BatchWriter:
         if not positions:
             return
         rows = [{"pipeline": pipeline, "stream": stream, "partition": partition, "next_offset": offset}
-                for (stream, partition), offset in positions.items()]
+                for (stream, partition), offset in sorted(positions.items())]
         # Positions only move forward: a deliberate replay from 0 must not rewind them.
         stmt = insert(conn, source_positions)
         stmt = stmt.on_conflict_do_update(

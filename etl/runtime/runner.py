@@ -175,7 +175,9 @@ class Runner:
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception(is_transient), stop=stop_after_delay(self.store_retry_s),
                 wait=wait_exponential(multiplier=0.2, max=5), reraise=True,
-                before_sleep=lambda state: log.warning("store_unavailable", attempt=state.attempt_number),
+                before_sleep=lambda state: log.warning(
+                    "store_unavailable", attempt=state.attempt_number,
+                    error=str(state.outcome.exception() if state.outcome else "").splitlines()[0][:200]),
             ):
                 with attempt:
                     return await loop.run_in_executor(self._db, fn, *args)
@@ -246,8 +248,8 @@ class Runner:
                         # looked up one batch at a time.
                         self._queued.append((messages, [self.tracker.dispatch(m) for m in messages]))
                         self._incoming += len(messages)
-                    elif not source.reading():
-                        last_message = time.perf_counter()  # joining a group is not being idle
+                    elif not source.reading() and time.perf_counter() - self.stats.started < (self.idle_stop_s or 0) + 30:
+                        last_message = time.perf_counter()  # joining a group is not being idle (for 30 s)
                     elif (self.idle_stop_s is not None and not self._tasks and dispatching is None and not self._queued
                           and time.perf_counter() - last_message >= self.idle_stop_s):
                         exhausted = True  # an endless source that has gone quiet: stop, as asked
