@@ -56,8 +56,8 @@ class DocumentOutcome:
     calls: tuple[CallRecord, ...] = ()
     cache: tuple[CacheEntry, ...] = ()
     dead_letter: DeadLetter | None = None
-    #: The document may have open dead letters: a success resolves this version's letter
-    #: (``replayed``), and a newer version supersedes older versions' letters (``superseded``).
+    #: The document may have open dead letters, so this outcome is written even with nothing new
+    #: (the store settles letters for every outcome it writes, from the letters as stored).
     settles_dead_letters: bool = False
     #: (stage, output, why) sampled for human review.
     reviews: tuple[tuple[str, dict[str, Any], str], ...] = ()
