@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from connectors.sources import Source, source_for_path
+from connectors.store.tables import same_columns
 from etl.runtime.decode import Decoder
 from etl.errors import ConfigError
 from etl.llm.base import LLM
@@ -62,6 +63,8 @@ class Pipeline:
         self.tenant_llms = dict(tenant_llms or {})
         self.budgets = dict(budgets or {})
         self.review = review
+        #: Where ``load_pipeline`` found it (a path or module:attr), for messages that say what to run.
+        self.origin: str | None = None
         self._check()
         names = {stage.name: stage for stage in self.stages}
         self.tenant_stages: dict[str, list[Stage]] = {}
@@ -72,6 +75,7 @@ class Pipeline:
             self.tenant_stages[tenant] = [
                 stage.override(**by_stage[stage.name]) if stage.name in by_stage else stage for stage in self.stages
             ]
+        self._check_tables()
 
     def stages_for(self, tenant: str) -> list[Stage]:
         """The stages as this tenant runs them (with its overrides)."""
@@ -79,7 +83,6 @@ class Pipeline:
 
     def _check(self) -> None:
         seen: dict[str, Stage] = {}
-        tables: dict[str, str] = {}
         for stage in self.stages:
             if stage.name in seen:
                 raise ConfigError(f"two stages are named {stage.name!r}; pass name= to tell them apart")
@@ -91,16 +94,37 @@ class Pipeline:
                         "which is not a Classify stage before it"
                     )
                 target.check_labels(stage.when.labels, f"stage {stage.name!r} when=")
-            if isinstance(stage, Extract):
-                if stage.table in tables:
-                    raise ConfigError(f"stages {tables[stage.table]!r} and {stage.name!r} both write table {stage.table!r}")
-                tables[stage.table] = stage.name
             seen[stage.name] = stage
+
+    def _check_tables(self) -> None:
+        """One schema per typed table, tenant overrides included: a table whose columns depended on
+        the tenant would refuse every other tenant's rows."""
+        owners: dict[str, tuple[str, Extract]] = {}
+        for tenant, stages in [("", self.stages), *self.tenant_stages.items()]:
+            mine: set[str] = set()
+            for stage in stages:
+                if not isinstance(stage, Extract):
+                    continue
+                who = f"tenant {tenant!r}'s stage {stage.name!r}" if tenant else f"stage {stage.name!r}"
+                if stage.table in mine:
+                    raise ConfigError(f"{who}: another of its stages writes table {stage.table!r} too; pass table=")
+                mine.add(stage.table)
+                first = owners.setdefault(stage.table, (who, stage))
+                if not same_columns(first[1].schema, stage.schema):
+                    raise ConfigError(
+                        f"{who} writes table {stage.table!r} with schema {stage.schema.__name__}, but {first[0]} "
+                        f"writes it with {first[1].schema.__name__}; give the override its own table=")
 
     @property
     def extract_tables(self) -> list[tuple[str, str, Any]]:
-        """(stage, table, schema) of each Extract stage: what ``Store.prepare`` creates."""
-        return [(s.name, s.table, s.schema) for s in self.stages if isinstance(s, Extract)]
+        """(stage, table, schema) of each typed table, tenant overrides' included: what
+        ``Store.prepare`` creates and checks."""
+        found: dict[str, tuple[str, str, Any]] = {}
+        for stages in [self.stages, *self.tenant_stages.values()]:
+            for s in stages:
+                if isinstance(s, Extract):
+                    found.setdefault(s.table, (s.name, s.table, s.schema))
+        return list(found.values())
 
     def __repr__(self) -> str:
         return f"Pipeline(name={self.name!r}, stages={self.stages!r})"
@@ -137,13 +161,13 @@ def load_pipeline(target: str) -> Pipeline:
         found = getattr(module, attr, None)
         if not isinstance(found, Pipeline):
             raise ConfigError(f"{target}: {attr!r} is not a Pipeline")
+    else:
+        candidates = [v for v in vars(module).values() if isinstance(v, Pipeline)]
+        named = getattr(module, "pipeline", None)
+        found = named if isinstance(named, Pipeline) else candidates[0] if len(candidates) == 1 else None
+    if found is not None:
+        found.origin = target
         return found
-    candidates = [v for v in vars(module).values() if isinstance(v, Pipeline)]
-    named = getattr(module, "pipeline", None)
-    if isinstance(named, Pipeline):
-        return named
-    if len(candidates) == 1:
-        return candidates[0]
     raise ConfigError(
         f"{target}: found {len(candidates)} Pipeline objects; name one with {target}:ATTR"
     )

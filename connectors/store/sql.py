@@ -20,7 +20,6 @@ from sqlalchemy import (
     delete,
     event,
     func,
-    inspect,
     literal,
     null,
     select,
@@ -43,6 +42,7 @@ from connectors.store.tables import (
     stage_results,
     typed_table,
 )
+from connectors.store.evolve import Change, MigrationNeeded, apply, changes
 from connectors.store.security import protect_tenant_table
 from connectors.store.write import (
     BatchWriter,
@@ -63,8 +63,15 @@ log = structlog.get_logger("connectors.store")
 __all__ = ["SqlStore", "is_transient", "make_engine", "migrate", "upgrade"]
 
 
-def make_engine(url: str) -> Engine:
-    """An engine with the pragmas that make SQLite a fair embedded default (WAL, busy timeout)."""
+def make_engine(url: str, *, transactional_ddl: bool = False) -> Engine:
+    """An engine with the pragmas that make SQLite a fair embedded default (WAL, busy timeout).
+
+    ``transactional_ddl``: SQLite's driver commits before every CREATE or ALTER on its own, so a
+    migration that fails halfway leaves half a schema (tables without their ``alembic_version``
+    row: every later run then fails on "table already exists"). This engine begins its transactions
+    itself (``BEGIN IMMEDIATE``: one migrating process at a time), so DDL rolls back with them. It is
+    for migrations only: ordinary work keeps the driver's transactions, which read without a
+    snapshot until their first write."""
     engine = create_engine(url, pool_pre_ping=True)
     if engine.dialect.name == "sqlite":
 
@@ -75,14 +82,22 @@ def make_engine(url: str) -> Engine:
             cursor.execute("PRAGMA synchronous=NORMAL")
             cursor.execute("PRAGMA busy_timeout=30000")
             cursor.close()
+            if transactional_ddl:
+                dbapi_conn.isolation_level = None  # no implicit BEGIN or COMMIT by the driver
+
+        if transactional_ddl:
+
+            @event.listens_for(engine, "begin")
+            def _begin(conn: Connection) -> None:
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
 
 
-def upgrade(engine: Engine) -> None:
-    """Runs the Alembic migrations to head on ``engine`` (what ``etl db upgrade`` does)."""
-    with engine.begin() as conn:
-        migrate(conn)
+def upgrade(engine: Engine, typed_tables: Sequence[TypedTable] = ()) -> None:
+    """Migrates ``engine``'s database to head, typed tables' type changes included (what ``etl db
+    upgrade`` does), in one transaction."""
+    SqlStore(engine.url.render_as_string(hide_password=False)).upgrade(typed_tables)
 
 
 #: Any constant: the PostgreSQL advisory lock that serialises workers migrating at the same time.
@@ -103,30 +118,38 @@ def migrate(conn: Connection) -> None:
 
 
 #: See ``SqlStore.unsettled``: (tenant, doc key, stage, cache key) rows with no stored result for
-#: exactly that key, and documents with an open dead letter; index probes by (pipeline, doc key).
+#: exactly that key; documents whose stored version is not at the message's position, or with an
+#: open dead letter (probed once per document, not per stage). Index probes by (pipeline, doc key).
 _UNSETTLED = text("""
 WITH expected AS (
     SELECT e->>0 AS tenant, e->>1 AS doc_key, e->>2 AS stage, e->>3 AS cache_key
     FROM json_array_elements(CAST(:expected AS json)) AS e
+), at AS (
+    SELECT a->>0 AS tenant, a->>1 AS doc_key, a->>2 AS stream, CAST(a->>3 AS integer) AS partition,
+           CAST(a->>4 AS bigint) AS message_offset
+    FROM json_array_elements(CAST(:at AS json)) AS a
 )
 SELECT e.tenant, e.doc_key FROM expected AS e
 LEFT JOIN stage_results AS r
     ON r.pipeline = :pipeline AND r.tenant = e.tenant AND r.doc_key = e.doc_key AND r.stage = e.stage
 WHERE r.cache_key IS DISTINCT FROM e.cache_key
 UNION
-SELECT e.tenant, e.doc_key FROM expected AS e
-WHERE EXISTS (SELECT 1 FROM dead_letters AS d WHERE d.pipeline = :pipeline AND d.status = 'open'
-              AND d.tenant = e.tenant AND d.doc_key = e.doc_key)
-UNION
-SELECT a->>0, a->>1 FROM json_array_elements(CAST(:at AS json)) AS a
-WHERE NOT EXISTS (SELECT 1 FROM documents AS v WHERE v.pipeline = :pipeline AND v.tenant = a->>0
-                  AND v.doc_key = a->>1 AND v.stream = a->>2 AND v.partition = CAST(a->>3 AS integer)
-                  AND v.message_offset = CAST(a->>4 AS bigint))
+SELECT a.tenant, a.doc_key FROM at AS a
+LEFT JOIN documents AS v ON v.pipeline = :pipeline AND v.tenant = a.tenant AND v.doc_key = a.doc_key
+WHERE (v.stream, v.partition, v.message_offset) IS DISTINCT FROM (a.stream, a.partition, a.message_offset)
+   OR EXISTS (SELECT 1 FROM dead_letters AS d WHERE d.pipeline = :pipeline AND d.status = 'open'
+              AND d.tenant = a.tenant AND d.doc_key = a.doc_key)
 """)
+
 
 
 #: States of a key's claim (besides a failure's reason), as ``claim_many`` returns them.
 MINE, HELD = "mine", "held"
+
+
+def _log_changes(made: list[Change]) -> None:
+    if made:
+        log.info("typed_tables_changed", changes=[str(change) for change in made])
 
 
 class SqlStore(Store, Claims):
@@ -139,30 +162,67 @@ class SqlStore(Store, Claims):
         self._typed_meta = MetaData()
         self._typed: dict[str, Table] = {}
         self._writer = BatchWriter(self._typed, {})
+        #: Where migrations run: on SQLite, an engine whose transactions hold DDL too.
+        self._ddl = make_engine(url, transactional_ddl=True) if self.engine.dialect.name == "sqlite" else self.engine
 
     def prepare(self, typed_tables: Sequence[TypedTable]) -> None:
-        with self.engine.begin() as conn:  # one transaction, so workers starting together take turns
-            migrate(conn)
-            for stage, name, schema in typed_tables:
-                self._prepare_typed(conn, name, schema)
-                self._writer.stage_tables[stage] = name  # type: ignore[index]
+        """Migrates, creates the typed tables and makes the changes of theirs that lose nothing
+        (see :mod:`connectors.store.evolve`), in one transaction, so workers starting together take
+        turns and a failure leaves the store as it was.
 
-    def _prepare_typed(self, conn: Connection, name: str, schema: type[BaseModel]) -> None:
-        table = self._typed.get(name) or typed_table(name, schema, self._typed_meta)
-        self._typed[name] = table
-        existing = inspect(conn).get_columns(name) if inspect(conn).has_table(name) else None
-        if existing is None:
-            table.create(conn)
-            if conn.dialect.name == "postgresql":
-                protect_tenant_table(conn, name)  # analysts see typed rows of their tenant only
-            return
-        have = {c["name"] for c in existing}
-        want = {c.name for c in table.columns}
-        if have != want:
-            raise ValueError(
-                f"table {name!r} has columns {sorted(have)} but schema {schema.__name__} needs "
-                f"{sorted(want)}; give the Extract stage a new table= name or migrate the table"
-            )
+        Raises:
+            MigrationNeeded: a typed table needs a type change; ``etl db upgrade`` makes it.
+            NotATypedTable: a table of a typed table's name exists that idem-etl did not make.
+        """
+        with self._ddl.begin() as conn:
+            made = self._migrate(conn, typed_tables, types=False)
+        _log_changes(made)
+
+    def upgrade(self, typed_tables: Sequence[TypedTable] = ()) -> None:
+        """``prepare``, type changes of typed tables included."""
+        with self._ddl.begin() as conn:
+            made = self._migrate(conn, typed_tables, types=True)
+        _log_changes(made)
+
+    def plan(self, typed_tables: Sequence[TypedTable] = ()) -> list[str]:
+        """The statements ``upgrade`` would run now: it runs them and rolls back."""
+        statements: list[str] = []
+        with self._ddl.connect() as conn:
+
+            @event.listens_for(conn, "before_cursor_execute")
+            def _seen(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+                if not statement.lstrip().upper().startswith(("SELECT", "PRAGMA", "WITH", "SHOW", "BEGIN")):
+                    statements.append(statement.strip())
+
+            with conn.begin() as transaction:
+                self._migrate(conn, typed_tables, types=True)
+                transaction.rollback()
+        return statements
+
+    def _migrate(self, conn: Connection, typed_tables: Sequence[TypedTable], *, types: bool) -> list[Change]:
+        """Migrations, typed tables created, their changes made (type changes only if ``types``);
+        returns the changes made."""
+        migrate(conn)
+        needed: list[Change] = []
+        made: list[Change] = []
+        for stage, name, schema in typed_tables:
+            table = self._typed.get(name) or typed_table(name, schema, self._typed_meta)
+            self._typed[name] = table
+            self._writer.stage_tables.setdefault(stage, set()).add(name)
+            found = changes(conn, table, schema)
+            if found is None:
+                table.create(conn)
+                if conn.dialect.name == "postgresql":
+                    protect_tenant_table(conn, name)  # analysts see typed rows of their tenant only
+                continue
+            if not types and any(not change.automatic for change in found):
+                needed += [change for change in found if not change.automatic]
+                continue
+            apply(conn, name, found)
+            made += found
+        if needed:
+            raise MigrationNeeded(needed)
+        return made
 
     def lookup(self, pipeline: str, docs: Iterable[DocRef], cache_keys: Iterable[str],
                positions: Iterable[tuple[str, int, int]] = (), *, outputs: bool = True) -> Lookup:

@@ -294,13 +294,33 @@ def _column_type(annotation: Any) -> tuple[Any, bool]:
     return (sql() if sql is not None else Json), nullable
 
 
+#: PostgreSQL cuts identifiers at 63 bytes: two longer names could become one column.
+MAX_IDENTIFIER_BYTES = 63
+
+
+def typed_table_problem(name: str, schema: type[BaseModel]) -> str | None:
+    """Why ``schema`` cannot have a typed table called ``name`` on every store, or None. Names
+    compare case-insensitively: SQLite's columns do (a field ``Tenant`` is the ``tenant`` column)."""
+    if len(name.encode()) > MAX_IDENTIFIER_BYTES:
+        return f"table name {name!r} is longer than {MAX_IDENTIFIER_BYTES} bytes; pass a shorter table="
+    seen = {column: f"the column {column!r} idem-etl adds" for column in (*TYPED_KEY_COLUMNS, "cache_key", "updated_at")}
+    for field in schema.model_fields:
+        if len(field.encode()) > MAX_IDENTIFIER_BYTES:
+            return f"field {field!r} of {schema.__name__} is longer than {MAX_IDENTIFIER_BYTES} bytes; shorten it"
+        clash = seen.get(field.casefold())
+        if clash is not None:
+            return f"field {field!r} of {schema.__name__} clashes with {clash} (names ignore case); rename it"
+        seen[field.casefold()] = f"field {field!r}"
+    return None
+
+
 def typed_table(name: str, schema: type[BaseModel], meta: MetaData) -> Table:
     """A table with one column per field of ``schema``, keyed like ``stage_results``."""
-    reserved = set(TYPED_KEY_COLUMNS) | {"cache_key", "updated_at"}
+    problem = typed_table_problem(name, schema)
+    if problem is not None:
+        raise ValueError(problem)
     columns = []
     for field, info in schema.model_fields.items():
-        if field in reserved:
-            raise ValueError(f"field {field!r} of {schema.__name__} clashes with a column idem-etl adds; rename it")
         sql_type, nullable = _column_type(info.annotation)
         columns.append(Column(field, sql_type, nullable=nullable or not info.is_required()))
     return Table(
@@ -314,3 +334,11 @@ def typed_table(name: str, schema: type[BaseModel], meta: MetaData) -> Table:
         Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
         PrimaryKeyConstraint(*TYPED_KEY_COLUMNS, name=f"pk_{name}"),
     )
+
+
+def same_columns(a: type[BaseModel], b: type[BaseModel]) -> bool:
+    """Whether two schemas make the same typed table (column names, types and nullability)."""
+    def spec(schema: type[BaseModel]) -> list[tuple[str, str, bool]]:
+        return [(c.name, repr(c.type), bool(c.nullable)) for c in typed_table("t", schema, MetaData()).columns]
+
+    return a is b or spec(a) == spec(b)

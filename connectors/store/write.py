@@ -38,7 +38,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalError, SQLAlchemyError, StatementError
 
 from connectors.store.base import Batch, DocRef, DocumentOutcome, Version
 from connectors.store.tables import (
@@ -57,19 +57,61 @@ from schemas import DeadLetter
 #: Rows per IN (...) query; keeps statements well under both backends' parameter limits.
 CHUNK = 500
 
-#: Failures of one outcome's values (not of the database): the outcome is written apart from its
-#: batch, and refused ones become ``store_rejected`` dead letters.
-_VALUE_ERRORS = (SQLAlchemyError, ValueError, TypeError, OverflowError)
+#: What a store error means for the run: wait for the database, refuse one outcome, or stop.
+TRANSIENT, VALUE, PERMANENT = "transient", "value", "permanent"
+
+#: SQLSTATE classes and codes worth waiting for: connection exceptions, too many connections / out
+#: of memory or disk, a shutdown or start-up in progress, serialization failures and deadlocks, a
+#: lock not available, a read-only transaction (a standby during failover), system I/O errors.
+_PG_TRANSIENT = ("08", "53", "57P", "40", "55P03", "25006", "58")
+#: ... and classes of a value the store refuses: data exceptions, integrity constraint violations.
+_PG_VALUE = ("22", "23")
+#: A connection refused by the server for good (psycopg gives no SQLSTATE at connect time).
+_PG_PERMANENT_AT_CONNECT = ("does not exist", "authentication failed", "no pg_hba.conf entry",
+                            "permission denied")
+#: SQLite primary result codes: BUSY, LOCKED, IOERR, FULL, PROTOCOL wait; TOOBIG, CONSTRAINT,
+#: MISMATCH, RANGE refuse one value; anything else (ERROR: no such table or column, READONLY,
+#: CANTOPEN, CORRUPT, NOTADB, PERM, AUTH) will not succeed on retry.
+_SQLITE_TRANSIENT = {5, 6, 10, 13, 15}
+_SQLITE_VALUE = {18, 19, 20, 25}
+
+
+def classify(exc: BaseException) -> str:
+    """``TRANSIENT`` (the database is restarting, unreachable or busy: retry), ``VALUE`` (it refused
+    a value: quarantine the outcome that holds it) or ``PERMANENT`` (a missing table or column, a
+    refused login, a read-only file: retrying cannot help; stop with the cause)."""
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return TRANSIENT
+    orig = exc.orig if isinstance(exc, DBAPIError) else exc
+    if isinstance(exc, StatementError) and not isinstance(exc, DBAPIError):
+        orig = exc.orig  # a value the driver could not bind (ValueError, OverflowError...)
+    if isinstance(orig, (ValueError, TypeError, OverflowError)):
+        return VALUE
+    sqlstate = getattr(orig, "sqlstate", None)
+    if sqlstate:
+        if sqlstate.startswith(_PG_TRANSIENT):
+            return TRANSIENT
+        return VALUE if sqlstate.startswith(_PG_VALUE) else PERMANENT
+    code = getattr(orig, "sqlite_errorcode", None)
+    if code is not None:
+        code &= 0xFF  # extended result codes carry the primary one in the low byte
+        return TRANSIENT if code in _SQLITE_TRANSIENT else VALUE if code in _SQLITE_VALUE else PERMANENT
+    if isinstance(exc, OperationalError):  # psycopg at connect time: refused, or gone for now?
+        fatal = str(orig).partition("FATAL:")[2]
+        return PERMANENT if any(hint in fatal for hint in _PG_PERMANENT_AT_CONNECT) else TRANSIENT
+    if isinstance(exc, (DataError, IntegrityError)):
+        return VALUE
+    return PERMANENT
 
 
 def is_transient(exc: BaseException) -> bool:
-    """A database that is restarting or unreachable: worth waiting for, not worth crashing over."""
-    return isinstance(exc, OperationalError) or (isinstance(exc, DBAPIError) and exc.connection_invalidated)
+    """A database that is restarting, unreachable or busy: worth waiting for, not worth crashing over."""
+    return isinstance(exc, SQLAlchemyError) and classify(exc) == TRANSIENT
 
 
 def rejected_by_value(exc: BaseException) -> bool:
-    """The store refused a value in the batch (not: the store is away)."""
-    return isinstance(exc, _VALUE_ERRORS) and not is_transient(exc)
+    """The store refused a value in the batch (not: the store is away, or broken for every batch)."""
+    return isinstance(exc, (SQLAlchemyError, ValueError, TypeError, OverflowError)) and classify(exc) == VALUE
 
 
 def db_now(conn: Connection) -> ColumnElement[float]:
@@ -150,7 +192,7 @@ def _letter_row(pipeline: str, letter: DeadLetter, status: str, published: bool)
 class BatchWriter:
     """Writes batches for one pipeline; knows where each Extract stage's typed rows live."""
 
-    def __init__(self, typed: Mapping[str, Table], stage_tables: Mapping[str, str]) -> None:
+    def __init__(self, typed: Mapping[str, Table], stage_tables: dict[str, set[str]]) -> None:
         self.typed = typed
         self.stage_tables = stage_tables
 
@@ -241,7 +283,7 @@ class BatchWriter:
                 kept = keep.get((tenant, key))
                 if kept is not None and stage not in kept:
                     stale_ids.append(row_id)
-                    if (table := self.stage_tables.get(stage)) is not None:
+                    for table in self.stage_tables.get(stage, ()):  # a tenant's rows are in one of them
                         stale_typed.setdefault(table, []).append({"p": pipeline, "t": tenant, "k": key})
         for (member,) in members(conn, stale_ids, r.id):
             conn.execute(delete(stage_results).where(member))

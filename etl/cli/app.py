@@ -222,17 +222,57 @@ def status(
             out.print(table_of(titles[name], rows))
 
 
-@db_app.command("upgrade")
-def db_upgrade(db: DbOption = None) -> None:
-    """Create or migrate the store's tables to the latest revision."""
-    from connectors.store import make_engine, upgrade  # noqa: PLC0415
+SchemaPipelineArg = Annotated[str | None, typer.Argument(
+    help="A pipeline file or module: its typed tables too (without one: the core tables only).")]
 
-    url = db or Settings().database_url.get_secret_value()
+
+def _schema_store(pipeline: str | None, db: str | None) -> tuple[Any, Any, str]:
+    """(store, typed tables, url) for ``etl db``: the pipeline's store unless --db says otherwise."""
+    from connectors.store import SqlStore  # noqa: PLC0415
+
+    settings = Settings()
+    tables: Any = []
+    url = db or settings.database_url.get_secret_value()
+    if pipeline is not None:
+        from etl.pipeline import load_pipeline  # noqa: PLC0415
+        from etl.runtime.wiring import database_url  # noqa: PLC0415
+
+        try:
+            loaded = load_pipeline(pipeline)
+        except EtlError as exc:
+            _fail(str(exc))
+        tables, url = loaded.extract_tables, db or database_url(loaded, settings)
+    return SqlStore(url), tables, url
+
+
+@db_app.command("plan")
+def db_plan(pipeline: SchemaPipelineArg = None, db: DbOption = None) -> None:
+    """Print the statements `etl db upgrade` would run (core migrations, typed-table changes), without
+    running them: they run in a transaction that is rolled back."""
+    store, tables, url = _schema_store(pipeline, db)
     try:
-        upgrade(make_engine(url))
+        statements = store.plan(tables)
+    except Exception as exc:  # noqa: BLE001 - one line for the user
+        _fail(f"cannot plan {_safe(url)}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+    if not statements:
+        out.print(f"{_safe(url)}: nothing to do; the schema is up to date")
+        return
+    out.print(f"-- {_safe(url)}: `etl db upgrade{' ' + pipeline if pipeline else ''}` would run:")
+    for statement in statements:
+        out.print(f"{statement};", markup=False, highlight=False, soft_wrap=True)
+
+
+@db_app.command("upgrade")
+def db_upgrade(pipeline: SchemaPipelineArg = None, db: DbOption = None) -> None:
+    """Create or migrate the store's tables to the latest revision; with a pipeline, also its typed
+    tables, type changes included (see them first with `etl db plan`)."""
+    store, tables, url = _schema_store(pipeline, db)
+    try:
+        store.upgrade(tables)
     except Exception as exc:  # noqa: BLE001
         _fail(f"cannot migrate {_safe(url)}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
-    out.print(f"{_safe(url)}: schema is at the latest revision")
+    out.print(f"{_safe(url)}: schema is at the latest revision"
+              + (f", typed tables of {pipeline} included" if pipeline else ""))
 
 
 register_quality(app)

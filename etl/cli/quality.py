@@ -67,8 +67,9 @@ def evaluate(pipeline: PipelineArg, stage: Annotated[str | None, typer.Option(he
     try:
         loaded = load_pipeline(pipeline)
         engine, _ = _engine(db, loaded)
-        llm = loaded.llm or default_llm(Settings())
-        runs = asyncio.run(run_eval(engine, loaded, llm, stage, tenant))
+        settings = Settings()
+        llm = loaded.llm or default_llm(settings)
+        runs = asyncio.run(run_eval(engine, loaded, llm, stage, tenant, repairs=settings.repairs))
     except EtlError as exc:
         fail(str(exc))
     if not runs:

@@ -56,8 +56,10 @@ def import_golden(engine: Engine, pipeline: str, stage: str, examples: Iterable[
 
 
 async def evaluate(engine: Engine, pipeline: Pipeline, llm: LLM, stage_name: str | None = None,
-                   tenant: str | None = None, concurrency: int = 8) -> list[dict[str, Any]]:
-    """Runs each stage with golden examples over them, per tenant; returns the recorded runs."""
+                   tenant: str | None = None, concurrency: int = 8, repairs: int = 1) -> list[dict[str, Any]]:
+    """Runs each stage with golden examples over them, per tenant, as that tenant's documents run
+    (its overrides, its model, ``repairs`` as the runs have it: the same fingerprint); returns the
+    recorded runs."""
     stages = [s for s in pipeline.stages if stage_name in (None, s.name)]
     if not stages:
         raise ConfigError(f"pipeline {pipeline.name!r} has no stage {stage_name!r}")
@@ -72,11 +74,10 @@ async def evaluate(engine: Engine, pipeline: Pipeline, llm: LLM, stage_name: str
         by_tenant: dict[str, list[dict[str, Any]]] = {}
         for example in examples:
             by_tenant.setdefault(example["tenant"], []).append(example)
-        plan = StagePlan.of(stage, llm)
-        calls = ModelCalls(repairs=1)
+        calls = ModelCalls(repairs=repairs)
         gate = asyncio.Semaphore(concurrency)
 
-        async def answer(example: dict[str, Any]) -> tuple[dict[str, Any] | None, list[Any], str | None]:
+        async def answer(plan: StagePlan, example: dict[str, Any]) -> tuple[dict[str, Any] | None, list[Any], str | None]:
             doc = Document(tenant=example["tenant"], key=example["doc_key"], content=example["content"],
                            content_hash=content_hash(example["content"]),
                            position=Position(stream="golden", offset=example["id"]))
@@ -88,8 +89,12 @@ async def evaluate(engine: Engine, pipeline: Pipeline, llm: LLM, stage_name: str
                     return None, failed.calls, failed.reason
 
         for tenant_name, items in sorted(by_tenant.items()):
-            answers = await asyncio.gather(*(answer(e) for e in items))
-            runs.append(_record(engine, pipeline.name, tenant_name, stage, plan, llm, items, answers))
+            # The tenant's stage and model, as its documents run (its overrides, its own model).
+            own = next(s for s in pipeline.stages_for(tenant_name) if s.name == stage.name)
+            model = pipeline.tenant_llms.get(tenant_name, llm)
+            plan = StagePlan.of(own, model, repairs)
+            answers = await asyncio.gather(*(answer(plan, e) for e in items))
+            runs.append(_record(engine, pipeline.name, tenant_name, own, plan, model, items, answers))
     return runs
 
 

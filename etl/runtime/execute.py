@@ -59,7 +59,8 @@ class Executor:
         #: (tenant, stage, label) already sampled as a first sighting (loaded by the runner).
         self.seen_labels: set[tuple[str, str, str]] = set()
         self.flights: SingleFlight[Computed] = SingleFlight()
-        self._tenants: dict[str, tuple[list[str], list[str], bool]] = {}
+        #: What ``_about`` says of each plan list (lists held, so their ids stay theirs).
+        self._about_plans: dict[int, tuple[Sequence[StagePlan], tuple[list[str], list[str], bool]]] = {}
         #: ``etl dlq replay``: quarantined documents are retried instead of being no-ops.
         self.retry_dead_letters = retry_dead_letters
 
@@ -74,12 +75,13 @@ class Executor:
     def _about(self, tenant: str) -> tuple[list[str], list[str], bool]:
         """(stage names, fingerprints, whether any stage has a when= predicate) of a tenant's plans,
         which never change during a run."""
-        about = self._tenants.get(tenant)
-        if about is None:
-            plans = self.plans_for(tenant)
-            about = self._tenants[tenant] = ([plan.stage.name for plan in plans], [plan.fingerprint for plan in plans],
-                                             any(plan.stage.when is not None for plan in plans))
-        return about
+        plans = self.plans_for(tenant)
+        about = self._about_plans.get(id(plans))
+        if about is None or about[0] is not plans:  # by the list: tenants without overrides share one
+            about = self._about_plans[id(plans)] = (plans, (
+                [plan.stage.name for plan in plans], [plan.fingerprint for plan in plans],
+                any(plan.stage.when is not None for plan in plans)))
+        return about[1]
 
     def try_stored(self, document: Decoded | Document, lookup: Lookup, keys: Sequence[str]) -> int | None:
         """The redelivery fast path, without a task, an await or a Document: when exactly the stages

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from datetime import date, datetime, timezone
 from typing import Any, TypeVar
 
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from tenacity import (
     AsyncRetrying,
     retry_if_exception,
@@ -47,6 +47,7 @@ from connectors.store import (
     Version,
     is_transient,
 )
+from connectors.store.evolve import MigrationNeeded
 from etl.errors import BadInput, ConfigError, SourceError, StoreError
 from etl.llm.base import LLM
 from etl.log import get_logger
@@ -103,13 +104,15 @@ class Runner:
         self.worker_id = uuid.uuid4().hex[:16]
         self._peers = peers = StorePeers(self._store, store, pipeline.name, self.worker_id, self.claim_lease_s) \
             if isinstance(store, SqlStore) else None
-        plans: dict[str, list[StagePlan]] = {}
+        # One plan list per configured tenant and one shared by every other: tenants that come from
+        # messages cost no memory each.
+        default = [StagePlan.of(stage, llm, settings.repairs) for stage in pipeline.stages]
+        configured = {tenant: [StagePlan.of(stage, pipeline.tenant_llms.get(tenant, llm), settings.repairs)
+                               for stage in pipeline.stages_for(tenant)]
+                      for tenant in {*pipeline.tenant_stages, *pipeline.tenant_llms}}
 
         def tenant_plans(tenant: str) -> list[StagePlan]:
-            if tenant not in plans:
-                model = pipeline.tenant_llms.get(tenant, llm)
-                plans[tenant] = [StagePlan.of(stage, model, settings.repairs) for stage in pipeline.stages_for(tenant)]
-            return plans[tenant]
+            return configured.get(tenant, default)
 
         budgets = TenantBudgets(pipeline.budgets, self._tokens_spent) if pipeline.budgets else None
         calls = ModelCalls(peers, max_attempts=settings.llm_max_attempts, max_retry_s=settings.llm_max_retry_s,
@@ -182,7 +185,10 @@ class Runner:
                 with attempt:
                     return await loop.run_in_executor(self._db, fn, *args)
         except SQLAlchemyError as exc:
-            raise StoreError(f"store failed: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+            cause = f"{type(exc).__name__}: {str(exc.orig if isinstance(exc, DBAPIError) else exc).splitlines()[0]}"
+            if is_transient(exc):
+                raise StoreError(f"store unavailable for {self.store_retry_s:g} s (ETL_STORE_RETRY_S): {cause}") from exc
+            raise StoreError(f"store refused, and retrying cannot help: {cause}") from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _source(self, fn: Callable[..., T], *args: Any) -> T:
@@ -213,6 +219,8 @@ class Runner:
         self.stats.started = time.perf_counter()
         try:
             await self._store(self.store.prepare, self.pipeline.extract_tables)
+        except MigrationNeeded as exc:
+            raise ConfigError(exc.for_target(self.pipeline.origin or "PIPELINE")) from exc
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         if isinstance(self.store, SqlStore) and self.pipeline.review is not None:

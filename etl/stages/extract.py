@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from connectors.store.tables import typed_table_problem
 from etl.errors import ConfigError
 from etl.stages.base import Predicate, Stage
 from etl.validators import Validator
@@ -44,6 +45,16 @@ class Extract(Stage):
         self.table = table or _snake(schema.__name__)
         if not self.table.isidentifier():
             raise ConfigError(f"stage {self.name!r}: table {self.table!r} must be an identifier")
+        problem = typed_table_problem(self.table, schema)
+        if problem is not None:
+            raise ConfigError(f"stage {self.name!r}: {problem}")
+
+    def override(self, **changes: Any) -> Stage:
+        """As :meth:`Stage.override`; another ``schema`` without a ``table`` gets its own default table
+        (the new schema's name), not the one named after the schema it replaces."""
+        if "schema" in changes and "table" not in changes and self.table == _snake(self.schema.__name__):
+            changes["table"] = None
+        return super().override(**changes)
 
     @property
     def output_model(self) -> type[BaseModel]:
