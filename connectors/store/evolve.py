@@ -7,7 +7,9 @@ finds is one :class:`Change` per column:
   Extract stage re-runs, since its schema is part of its fingerprint.
 - ``nullable``: a field made optional, or no longer a field at all → the column accepts NULL (a
   removed field's column and its values stay; drop it yourself if you mean to).
-- ``type``: a field's type changed → the column's type changes, values cast in place.
+- ``type``: a field's type changed → the column is made anew with the new type, each stored value
+  re-validated by pydantic as the field's new type and written back (a value that does not pass
+  refuses the whole change).
 
 A run makes the first two itself (they lose nothing); a type change it refuses with one line
 that says what to run: ``etl db plan PIPELINE`` prints the statements, ``etl db upgrade PIPELINE``
@@ -16,6 +18,7 @@ runs them. Both run the same code, in one transaction: a plan is an upgrade roll
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -24,8 +27,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.operations import Operations
 from pydantic import BaseModel, TypeAdapter, ValidationError
-from sqlalchemy import Column, Connection, MetaData, Table, inspect, literal_column, select, text
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy import JSON, Column, Connection, MetaData, Table, bindparam, inspect, select, update
 
 from connectors.store.tables import TYPED_KEY_COLUMNS
 
@@ -43,7 +45,8 @@ class Change:
     kind: str  # ADD | NULLABLE | TYPE
     detail: str
     _apply: Any  # (batch operations) -> None
-    _check: Any = None  # (connection) -> None; raises MigrationRefused
+    _before: Any = None  # (connection) -> None, before the alteration; raises MigrationRefused
+    _after: Any = None  # (connection) -> None, after it
 
     @property
     def automatic(self) -> bool:
@@ -94,18 +97,18 @@ def changes(conn: Connection, table: Table, schema: type[BaseModel]) -> list[Cha
     found: list[Change] = []
     for diff in compare_metadata(context, wanted):
         for op in diff if isinstance(diff, list) else [diff]:
-            change = _change(table, schema, op)
+            change = _change(table, schema, op, conn.dialect)
             if change is not None:
                 found.append(change)
     return sorted(found, key=lambda c: (c.kind, c.column))
 
 
-def _change(table: Table, schema: type[BaseModel], op: tuple[Any, ...]) -> Change | None:
+def _change(table: Table, schema: type[BaseModel], op: tuple[Any, ...], dialect: Any) -> Change | None:
     kind = op[0]
     if kind == "add_column":
         column: Column[Any] = op[3]
         new = Column(column.name, column.type, nullable=True)
-        return Change(table.name, column.name, ADD, f"new column {column.type.compile()} NULL",
+        return Change(table.name, column.name, ADD, f"new column {column.type.compile(dialect=dialect)} NULL",
                       lambda batch: batch.add_column(new))
     if kind == "modify_nullable" and op[6]:  # made nullable; a required field's NULL column stays
         name, existing = op[3], op[4]["existing_type"]
@@ -117,49 +120,62 @@ def _change(table: Table, schema: type[BaseModel], op: tuple[Any, ...]) -> Chang
             return None
         return Change(table.name, column.name, NULLABLE, "accepts NULL (no longer a field; its values stay)",
                       lambda batch: batch.alter_column(column.name, existing_type=column.type, nullable=True))
-    if kind == "modify_type":
-        name, old, new = op[3], op[5], op[6]
-        nullable = op[4].get("existing_nullable", True)
-        field = schema.model_fields[name]
-
-        return Change(table.name, name, TYPE, f"type {old.compile()} → {new.compile()} (values cast in place)",
-                      lambda batch: batch.alter_column(name, existing_type=old, type_=new, existing_nullable=nullable,
-                                                       postgresql_using=_using(name, old, new)),
-                      lambda conn: _check_values(conn, table.name, name, field.annotation, new))
+    if kind == "modify_type" and op[3] in schema.model_fields:  # not: a column idem-etl adds
+        name, old, target = op[3], op[5], table.c[op[3]].type
+        convert = _converter(schema.model_fields[name].annotation, isinstance(target, JSON))
+        values: list[dict[str, Any]] = []
+        return Change(
+            table.name, name, TYPE, f"type {old.compile(dialect=dialect)} → {target.compile(dialect=dialect)} "
+            "(each value re-validated as the field's new type and rewritten; the column accepts NULL)",
+            lambda batch: (batch.drop_column(name), batch.add_column(Column(name, target, nullable=True))),
+            lambda conn: values.extend(_converted(conn, table.name, name, convert)),
+            lambda conn: _rewrite(conn, table, name, values))
     return None  # server defaults, indexes, comments: not the schema's business
 
 
-def _check_values(conn: Connection, table: str, column: str, annotation: Any, new: Any) -> None:
-    """Refuses a type change that a value stored in the column does not survive: the field's own
-    type decides, as it does for new answers (a cast would turn 'n/a' into 0.0 on SQLite and 12.5
-    into 13 on PostgreSQL, silently)."""
+def _converter(annotation: Any, to_json: bool) -> Any:
+    """A stored value as the field's new type would hold it, by pydantic's rules (as new answers
+    are checked), not SQL casts (SQLite's turn 'n/a' into 0.0 and '2024-01-05' into 2024). Scalars
+    become text where the field is a string now."""
     adapter = TypeAdapter(annotation)
-    bad = []
-    for (value,) in conn.execute(select(literal_column(f'"{column}"')).select_from(text(f'"{table}"')).where(
-            literal_column(f'"{column}"').is_not(None)).distinct()):
+
+    def convert(value: Any) -> Any:
         try:
-            adapter.validate_python(json.loads(value) if isinstance(new, JSONB) and isinstance(value, str) else value)
+            valid = adapter.validate_python(value)
         except ValidationError:
+            if annotation is not str or isinstance(value, (dict, list)):
+                raise
+            valid = value.isoformat() if isinstance(value, (dt.date, dt.datetime)) else json.dumps(value, default=str)
+        return adapter.dump_python(valid, mode="json" if to_json else "python")
+
+    return convert
+
+
+def _converted(conn: Connection, table: str, column: str, convert: Any) -> list[dict[str, Any]]:
+    """Every stored value of ``column`` converted, keyed by its row; refuses if any does not convert."""
+    stored = Table(table, MetaData(), autoload_with=conn)
+    rows, bad = [], []
+    for p, t, k, value in conn.execute(select(stored.c.pipeline, stored.c.tenant, stored.c.doc_key, stored.c[column])):
+        if value is None:
+            continue
+        try:
+            rows.append({"_p": p, "_t": t, "_k": k, "_v": convert(value)})
+        except (ValidationError, ValueError, TypeError):
             bad.append(value)
     if bad:
+        example = repr(bad[0])
         raise MigrationRefused(
-            f"{len(bad)} distinct value(s) of {table}.{column} are not a valid {new.compile()} for the field "
-            f"(e.g. {bad[0]!r}): fix or delete those rows, or give the Extract stage a new table=")
+            f"{len(bad)} value(s) of {table}.{column} are not valid for the field's new type (e.g. "
+            f"{example[:60] + '…' if len(example) > 60 else example}): fix or delete those rows, or give the "
+            "Extract stage a new table=")
+    return rows
 
 
-def _using(column: str, old: Any, new: Any) -> str:
-    """PostgreSQL's cast of a column's values to a new type: JSON scalars by their text."""
-    quoted = f'"{column}"'
-    if isinstance(new, JSONB):
-        return f"to_jsonb({quoted})"
-    value = f"({quoted} #>> '{{}}')" if isinstance(old, JSONB) else quoted
-    return f"CAST({value} AS {new.compile(dialect=_pg())})"
-
-
-def _pg() -> Any:
-    from sqlalchemy.dialects import postgresql  # noqa: PLC0415
-
-    return postgresql.dialect()
+def _rewrite(conn: Connection, table: Table, column: str, values: list[dict[str, Any]]) -> None:
+    if values:
+        c = table.c
+        conn.execute(update(table).where(c.pipeline == bindparam("_p"), c.tenant == bindparam("_t"),
+                                         c.doc_key == bindparam("_k")).values({column: bindparam("_v")}), values)
 
 
 def apply(conn: Connection, name: str, found: list[Change]) -> None:
@@ -168,8 +184,18 @@ def apply(conn: Connection, name: str, found: list[Change]) -> None:
     if not found:
         return
     for change in found:
-        if change._check is not None:  # noqa: SLF001
-            change._check(conn)  # noqa: SLF001
-    with Operations(MigrationContext.configure(conn)).batch_alter_table(name) as batch:
-        for change in found:
-            change._apply(batch)  # noqa: SLF001 - the change's own operation
+        if change._before is not None:  # noqa: SLF001 - reads (and checks) values first
+            change._before(conn)  # noqa: SLF001
+    sqlite = conn.dialect.name == "sqlite"
+    if sqlite:  # the copy's rename must not rewrite (and fail on) views that name the table
+        conn.exec_driver_sql("PRAGMA legacy_alter_table=ON")
+    try:
+        with Operations(MigrationContext.configure(conn)).batch_alter_table(name) as batch:
+            for change in found:
+                change._apply(batch)  # noqa: SLF001 - the change's own operation
+    finally:
+        if sqlite:
+            conn.exec_driver_sql("PRAGMA legacy_alter_table=OFF")
+    for change in found:
+        if change._after is not None:  # noqa: SLF001
+            change._after(conn)  # noqa: SLF001

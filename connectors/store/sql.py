@@ -97,7 +97,10 @@ def make_engine(url: str, *, transactional_ddl: bool = False) -> Engine:
 def upgrade(engine: Engine, typed_tables: Sequence[TypedTable] = ()) -> None:
     """Migrates ``engine``'s database to head, typed tables' type changes included (what ``etl db
     upgrade`` does), in one transaction."""
-    SqlStore(engine.url.render_as_string(hide_password=False)).upgrade(typed_tables)
+    store = SqlStore(engine.url.render_as_string(hide_password=False))
+    if engine.dialect.name == "sqlite" and engine.url.database in (None, "", ":memory:"):
+        store._ddl = engine  # noqa: SLF001 - the caller's in-memory database is the one to migrate
+    store.upgrade(typed_tables)
 
 
 #: Any constant: the PostgreSQL advisory lock that serialises workers migrating at the same time.
@@ -162,8 +165,11 @@ class SqlStore(Store, Claims):
         self._typed_meta = MetaData()
         self._typed: dict[str, Table] = {}
         self._writer = BatchWriter(self._typed, {})
-        #: Where migrations run: on SQLite, an engine whose transactions hold DDL too.
-        self._ddl = make_engine(url, transactional_ddl=True) if self.engine.dialect.name == "sqlite" else self.engine
+        #: Where migrations run: on a SQLite file, an engine whose transactions hold DDL too (an
+        #: in-memory database is one per engine: it keeps its own).
+        self._ddl = make_engine(url, transactional_ddl=True) \
+            if self.engine.dialect.name == "sqlite" and self.engine.url.database not in (None, "", ":memory:") \
+            else self.engine
 
     def prepare(self, typed_tables: Sequence[TypedTable]) -> None:
         """Migrates, creates the typed tables and makes the changes of theirs that lose nothing
@@ -191,7 +197,7 @@ class SqlStore(Store, Claims):
 
             @event.listens_for(conn, "before_cursor_execute")
             def _seen(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-                if not statement.lstrip().upper().startswith(("SELECT", "PRAGMA", "WITH", "SHOW", "BEGIN")):
+                if not statement.lstrip().upper().startswith(("SELECT", "PRAGMA", "WITH", "SHOW", "BEGIN", "SET")):
                     statements.append(statement.strip())
 
             with conn.begin() as transaction:
@@ -203,11 +209,16 @@ class SqlStore(Store, Claims):
         """Migrations, typed tables created, their changes made (type changes only if ``types``);
         returns the changes made."""
         migrate(conn)
+        if conn.dialect.name == "postgresql":
+            # An ALTER waits for readers of the table (an analyst's long query) and every writer
+            # queues behind it: give up after a while instead (retried: lock_not_available waits).
+            conn.exec_driver_sql("SET LOCAL lock_timeout = '10s'")
         needed: list[Change] = []
         made: list[Change] = []
         for stage, name, schema in typed_tables:
-            table = self._typed.get(name) or typed_table(name, schema, self._typed_meta)
-            self._typed[name] = table
+            table = self._typed.get(name)
+            if table is None:
+                table = self._typed[name] = typed_table(name, schema, self._typed_meta)
             self._writer.stage_tables.setdefault(stage, set()).add(name)
             found = changes(conn, table, schema)
             if found is None:

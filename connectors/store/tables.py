@@ -301,8 +301,8 @@ MAX_IDENTIFIER_BYTES = 63
 def typed_table_problem(name: str, schema: type[BaseModel]) -> str | None:
     """Why ``schema`` cannot have a typed table called ``name`` on every store, or None. Names
     compare case-insensitively: SQLite's columns do (a field ``Tenant`` is the ``tenant`` column)."""
-    if len(name.encode()) > MAX_IDENTIFIER_BYTES:
-        return f"table name {name!r} is longer than {MAX_IDENTIFIER_BYTES} bytes; pass a shorter table="
+    if len(f"pk_{name}".encode()) > MAX_IDENTIFIER_BYTES:  # its primary key's name must fit too
+        return f"table name {name!r} is longer than {MAX_IDENTIFIER_BYTES - 3} bytes; pass a shorter table="
     seen = {column: f"the column {column!r} idem-etl adds" for column in (*TYPED_KEY_COLUMNS, "cache_key", "updated_at")}
     for field in schema.model_fields:
         if len(field.encode()) > MAX_IDENTIFIER_BYTES:

@@ -62,17 +62,19 @@ TRANSIENT, VALUE, PERMANENT = "transient", "value", "permanent"
 
 #: SQLSTATE classes and codes worth waiting for: connection exceptions, too many connections / out
 #: of memory or disk, a shutdown or start-up in progress, serialization failures and deadlocks, a
-#: lock not available, a read-only transaction (a standby during failover), system I/O errors.
-_PG_TRANSIENT = ("08", "53", "57P", "40", "55P03", "25006", "58")
+#: lock not available, a statement cancelled (statement_timeout, pg_cancel_backend), a read-only
+#: transaction (a standby during failover), system I/O errors.
+_PG_TRANSIENT = ("08", "53", "57P01", "57P02", "57P03", "57014", "40", "55P03", "25006", "58")
 #: ... and classes of a value the store refuses: data exceptions, integrity constraint violations.
 _PG_VALUE = ("22", "23")
 #: A connection refused by the server for good (psycopg gives no SQLSTATE at connect time).
 _PG_PERMANENT_AT_CONNECT = ("does not exist", "authentication failed", "no pg_hba.conf entry",
                             "permission denied")
-#: SQLite primary result codes: BUSY, LOCKED, IOERR, FULL, PROTOCOL wait; TOOBIG, CONSTRAINT,
+#: SQLite primary result codes: BUSY, LOCKED, IOERR, FULL, PROTOCOL, SCHEMA (changed under the
+#: statement) wait; TOOBIG, CONSTRAINT,
 #: MISMATCH, RANGE refuse one value; anything else (ERROR: no such table or column, READONLY,
 #: CANTOPEN, CORRUPT, NOTADB, PERM, AUTH) will not succeed on retry.
-_SQLITE_TRANSIENT = {5, 6, 10, 13, 15}
+_SQLITE_TRANSIENT = {5, 6, 10, 13, 15, 17}
 _SQLITE_VALUE = {18, 19, 20, 25}
 
 

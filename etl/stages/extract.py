@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from connectors.store.tables import typed_table_problem
+from connectors.store.tables import same_columns, typed_table_problem
 from etl.errors import ConfigError
 from etl.stages.base import Predicate, Stage
 from etl.validators import Validator
@@ -50,10 +50,11 @@ class Extract(Stage):
             raise ConfigError(f"stage {self.name!r}: {problem}")
 
     def override(self, **changes: Any) -> Stage:
-        """As :meth:`Stage.override`; another ``schema`` without a ``table`` gets its own default table
-        (the new schema's name), not the one named after the schema it replaces."""
-        if "schema" in changes and "table" not in changes and self.table == _snake(self.schema.__name__):
-            changes["table"] = None
+        """As :meth:`Stage.override`; another ``schema`` with other columns and no ``table`` gets its own
+        default table (the new schema's name), not the one named after the schema it replaces."""
+        if ("schema" in changes and "table" not in changes and self.table == _snake(self.schema.__name__)
+                and not same_columns(self.schema, changes["schema"])):
+            changes["table"] = None  # a schema with the same columns keeps writing where it did
         return super().override(**changes)
 
     @property
