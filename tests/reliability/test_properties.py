@@ -706,7 +706,9 @@ class PipelineMachine(RuleBasedStateMachine):
 # -- the tests -------------------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(1800)  # a failure's shrinking replays real runs (Hypothesis stops it after 5 minutes)
+# A failure's shrinking replays real runs (Hypothesis stops it after 5 minutes); the long profile
+# takes about 2.5 s an example on two cores (2,000 in about 80 minutes), so its limit grows with it.
+@pytest.mark.timeout(max(1800, 6 * (PROFILE.max_examples or 0)) if os.environ.get("ETL_PROPERTY_EXAMPLES") else 1800)
 def test_pipeline_matches_the_reference_model() -> None:
     """SQLite, the ``ci`` profile (``long`` with ETL_PROPERTY_EXAMPLES)."""
     run_state_machine_as_test(PipelineMachine, settings=PROFILE)
