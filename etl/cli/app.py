@@ -248,7 +248,8 @@ def _schema_store(pipeline: str | None, db: str | None) -> tuple[Any, Any, str]:
 @db_app.command("plan")
 def db_plan(pipeline: SchemaPipelineArg = None, db: DbOption = None) -> None:
     """Print the statements `etl db upgrade` would run (core migrations, typed-table changes), without
-    running them: they run in a transaction that is rolled back."""
+    making them: they run in a transaction that is rolled back (so, for its length, they hold the
+    locks they take: a table being copied is not written meanwhile)."""
     store, tables, url = _schema_store(pipeline, db)
     try:
         statements = store.plan(tables)
