@@ -171,6 +171,12 @@ class SqlStore(Store, Claims):
             if self.engine.dialect.name == "sqlite" and self.engine.url.database not in (None, "", ":memory:") \
             else self.engine
 
+    def dispose(self) -> None:
+        """Closes the pooled connections of both engines (the store stays usable: pools refill)."""
+        self.engine.dispose()
+        if self._ddl is not self.engine:
+            self._ddl.dispose()
+
     def prepare(self, typed_tables: Sequence[TypedTable]) -> None:
         """Migrates, creates the typed tables and makes the changes of theirs that lose nothing
         (see :mod:`connectors.store.evolve`), in one transaction, so workers starting together take

@@ -306,7 +306,7 @@ class Runner:
             await asyncio.get_running_loop().run_in_executor(self._io, source.close)
             self._db.shutdown(wait=True)
             if isinstance(self.store, SqlStore):
-                self.store.engine.dispose()  # its pooled connections end with the run, not at exit
+                self.store.dispose()  # its pooled connections end with the run, not at exit
             self._io.shutdown(wait=True)
         self.stats.elapsed_s = time.perf_counter() - self.stats.started
         return self.stats

@@ -327,3 +327,16 @@ async def test_tenants_from_messages_share_one_plan(sqlite_url: str) -> None:
     assert runner.executor.plans_for("tenant-1") is runner.executor.plans_for("tenant-299")
     assert runner.executor.plans_for("vip") is not runner.executor.plans_for("tenant-1")
     assert len(runner.executor._about_plans) == 1  # noqa: SLF001 - the cache under test
+
+
+async def test_a_run_leaves_no_pooled_connection_open(sqlite_url: str) -> None:
+    """Both engines of a SQLite store (ordinary work, migrations) are disposed at the end of a run:
+    a process that runs pipelines again and again (a notebook, the property test) kept one open
+    migration connection, and its page cache, per run."""
+    from etl.runtime.wiring import build_runner  # noqa: PLC0415
+
+    runner = build_runner(receipts(ReceiptV1, sqlite_url, docs(4)), llm=FakeLLM())
+    await runner.run()
+    store = runner.store
+    assert store._ddl is not store.engine  # noqa: SLF001 - a file: migrations on their own engine
+    assert store.engine.pool.checkedin() == 0 and store._ddl.pool.checkedin() == 0  # noqa: SLF001
