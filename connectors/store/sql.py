@@ -97,10 +97,7 @@ def make_engine(url: str, *, transactional_ddl: bool = False) -> Engine:
 def upgrade(engine: Engine, typed_tables: Sequence[TypedTable] = ()) -> None:
     """Migrates ``engine``'s database to head, typed tables' type changes included (what ``etl db
     upgrade`` does), in one transaction."""
-    store = SqlStore(engine.url.render_as_string(hide_password=False))
-    if engine.dialect.name == "sqlite" and engine.url.database in (None, "", ":memory:"):
-        store._ddl = engine  # noqa: SLF001 - the caller's in-memory database is the one to migrate
-    store.upgrade(typed_tables)
+    SqlStore(engine.url.render_as_string(hide_password=False), engine=engine).upgrade(typed_tables)
 
 
 #: Any constant: the PostgreSQL advisory lock that serialises workers migrating at the same time.
@@ -159,8 +156,9 @@ class SqlStore(Store, Claims):
     """A :class:`Store` (and the workers' shared :class:`Claims`) on any SQLAlchemy URL that SQLite
     or PostgreSQL understands."""
 
-    def __init__(self, url: str) -> None:
-        self.engine = make_engine(url)
+    def __init__(self, url: str, *, engine: Engine | None = None) -> None:
+        """``engine``: one already made for ``url`` (``upgrade`` migrates the caller's engine)."""
+        self.engine = engine or make_engine(url)
         self._insert = postgresql.insert if self.engine.dialect.name == "postgresql" else sqlite.insert
         self._typed_meta = MetaData()
         self._typed: dict[str, Table] = {}
