@@ -81,6 +81,18 @@ class _Pending:
     restated: frozenset[str] = frozenset()
 
 
+@dataclass
+class _Polled:
+    """A polled batch with its tracker epochs, queued for the store look-up in poll order. Decoded
+    and checked for redeliveries (``Store.unsettled``) when polled, so the check of one batch runs
+    on the store's thread while the batches before it are settled."""
+    messages: list[Message]
+    epochs: list[int]
+    decoded: list[tuple[Decoded, Message, int, list[str]]] = dataclasses.field(default_factory=list)
+    bad: list[tuple[BadInput, Message, int]] = dataclasses.field(default_factory=list)
+    unsettled: asyncio.Task[set[DocRef]] | None = None
+
+
 class Runner:
     """Runs one pipeline against one store with one model until the source ends or :meth:`stop`."""
 
@@ -137,8 +149,8 @@ class Runner:
         self._completed: collections.deque[asyncio.Task[tuple[DocumentOutcome, Tally]]] = collections.deque()
         #: The window: a slot per document with model work started and not yet committed.
         self._slots = asyncio.Semaphore(self.max_in_flight)
-        #: Polled batches (with their tracker epochs) waiting for the store look-up, in order.
-        self._queued: collections.deque[tuple[list[Message], list[int]]] = collections.deque()
+        #: Polled batches waiting for the store look-up, in order.
+        self._queued: collections.deque[_Polled] = collections.deque()
         #: Largest poll: half the window, so one batch can be polled while another is looked up.
         self._batch = max(1, self.max_in_flight // 2)
         #: Messages polled and still queued, decoded or looked up (in flight too).
@@ -253,8 +265,8 @@ class Runner:
                     elif messages:
                         last_message = time.perf_counter()
                         # Dispatched now, in poll order (a revocation from here on makes them stale);
-                        # looked up one batch at a time.
-                        self._queued.append((messages, [self.tracker.dispatch(m) for m in messages]))
+                        # decoded and checked for redeliveries now, looked up one batch at a time.
+                        self._queued.append(self._read(messages, [self.tracker.dispatch(m) for m in messages]))
                         self._incoming += len(messages)
                     elif not source.reading() and time.perf_counter() - self.stats.started < (self.idle_stop_s or 0) + 30:
                         last_message = time.perf_counter()  # joining a group is not being idle (for 30 s)
@@ -265,7 +277,7 @@ class Runner:
                     dispatching.result()
                     dispatching = None
                 if dispatching is None and self._queued:
-                    dispatching = self._watch(asyncio.create_task(self._dispatch(*self._queued.popleft())))
+                    dispatching = self._watch(asyncio.create_task(self._dispatch(self._queued.popleft())))
                 if polling is None and not exhausted and not self._stopping:
                     # Up to a window of documents is read ahead of the window at work (decoded, looked
                     # up, waiting for a slot), so a freed slot starts the next call at once. Polls of
@@ -300,6 +312,10 @@ class Runner:
             gc.unfreeze()
             for task in (*self._tasks, *([dispatching] if dispatching else [])):
                 task.cancel()
+            for polled in self._queued:  # checked ahead, never dispatched: a stop or a failure
+                if polled.unsettled is not None:
+                    polled.unsettled.cancel()
+                    polled.unsettled.add_done_callback(lambda t: t.cancelled() or t.exception())
             for future in (polling, flushing):
                 if future is not None and not future.done():
                     await asyncio.wait([future])
@@ -311,39 +327,48 @@ class Runner:
         self.stats.elapsed_s = time.perf_counter() - self.stats.started
         return self.stats
 
-    async def _dispatch(self, messages: list[Message], epochs: list[int]) -> None:
-        """Decodes a polled batch, looks it up in the store, settles what is already stored and
-        starts a task for every document that still has work."""
-        try:
-            await self._dispatch_batch(messages, epochs)
-        finally:
-            self._incoming -= len(messages)
-
-    async def _dispatch_batch(self, messages: list[Message], epochs: list[int]) -> None:
-        self.stats.messages += len(messages)
-        value_format = self.pipeline.source.value_format
-        decoder, executor = self.pipeline.decoder, self.executor
-        decoded: list[tuple[Decoded, Message, int, list[str]]] = []
-        bad: list[tuple[BadInput, Message, int]] = []
+    def _read(self, messages: list[Message], epochs: list[int]) -> _Polled:
+        """A polled batch decoded, with each document's cache keys; while most documents turn out
+        stored (a replay), its redelivery check is started too."""
+        polled = _Polled(messages, epochs)
+        value_format, decoder, executor = self.pipeline.source.value_format, self.pipeline.decoder, self.executor
         for message, epoch in zip(messages, epochs, strict=True):
             try:
                 doc = decoder.read(message, value_format)
             except BadInput as exc:
-                bad.append((exc, message, epoch))
+                polled.bad.append((exc, message, epoch))
             else:
-                decoded.append((doc, message, epoch, executor.keys(doc)))
-        documents, settled = len(decoded), 0
-        if decoded and self._mostly_redeliveries and not self._with_outputs:
+                polled.decoded.append((doc, message, epoch, executor.keys(doc)))
+        if polled.decoded and self._mostly_redeliveries and not self._with_outputs:
             # Redeliveries first, without reading their rows: every stage stored for exactly its
-            # key. (With a when= predicate, which stages apply depends on stored outputs.) Worth a
-            # round trip only while most documents turn out stored, as in a replay.
-            expected = [(doc.tenant, doc.key, stage, key) for doc, _, _, doc_keys in decoded
+            # key, at the message's own position. (With a when= predicate, which stages apply
+            # depends on stored outputs.) Worth a round trip only while most documents turn out
+            # stored. Checked ahead of the batches before it being settled: a check that misses a
+            # write in between only sends its document the longer way, through ``lookup``.
+            expected = [(doc.tenant, doc.key, stage, key) for doc, _, _, doc_keys in polled.decoded
                         for stage, key in zip(executor.stage_names(doc.tenant), doc_keys, strict=True)]
             at: dict[DocRef, Version] = {}
-            for doc, m, _, _ in decoded:  # a document twice in the batch: its newest position decides
+            for doc, m, _, _ in polled.decoded:  # a document twice in the batch: its newest position decides
                 ref = (doc.tenant, doc.key)
                 at[ref] = max(at.get(ref, (m.stream, m.partition, m.offset)), (m.stream, m.partition, m.offset))
-            unsettled = await self._store(self.store.unsettled, self.pipeline.name, expected, at)
+            polled.unsettled = asyncio.ensure_future(self._store(self.store.unsettled, self.pipeline.name, expected, at))
+        return polled
+
+    async def _dispatch(self, polled: _Polled) -> None:
+        """Settles what of a polled batch is already stored, looks up the rest and starts a task
+        for every document that still has work."""
+        try:
+            await self._dispatch_batch(polled)
+        finally:
+            self._incoming -= len(polled.messages)
+
+    async def _dispatch_batch(self, polled: _Polled) -> None:
+        self.stats.messages += len(polled.messages)
+        decoder, executor = self.pipeline.decoder, self.executor
+        decoded, bad = polled.decoded, polled.bad
+        documents, settled = len(decoded), 0
+        if polled.unsettled is not None:
+            unsettled = await polled.unsettled
             rest = []
             for item in decoded:
                 doc, message, epoch, doc_keys = item
