@@ -9,13 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from pydantic import BaseModel
 from sqlalchemy import (
     Connection,
     Engine,
     MetaData,
     Table,
-    bindparam,
     create_engine,
     delete,
     event,
@@ -343,20 +341,24 @@ class SqlStore(Store, Claims):
         c = llm_claims.c
         keys = sorted(set(keys))  # one lock order for every worker: concurrent claims never deadlock
         with self.engine.begin() as conn:
-            now = db_now(conn)
+            # The database's clock read once, as a value. Rows as plain parameter sets: with an
+            # expression or a fixed value in VALUES, SQLAlchemy cannot batch the rows into one
+            # multi-row INSERT and sends one statement per key.
+            now = conn.execute(select(db_now(conn))).scalar_one()
             # One statement over every key, in sorted order, then failed keys no one waited on:
             # every worker locks claims in one order (two groups in two orders deadlocked, and
             # the holder's renewal, stuck behind the lock, lapsed).
-            stmt = self._insert(llm_claims).values(cache_key=bindparam("k"), owner=owner, pipeline=pipeline,
-                                                   expires_at=now + lease_s, failure=None)
+            stmt = self._insert(llm_claims)
             stmt = stmt.on_conflict_do_update(
                 index_elements=["cache_key"],
                 set_={"owner": stmt.excluded.owner, "pipeline": stmt.excluded.pipeline,
-                      "expires_at": stmt.excluded.expires_at, "failure": None},
+                      "expires_at": stmt.excluded.expires_at, "failure": stmt.excluded.failure},
                 # Free once expired; a worker's own live claim is its own; never a failed one here.
                 where=((c.expires_at < now) | (c.owner == owner)) & c.failure.is_(None),
             ).returning(c.cache_key)
-            claimed = set(conn.execute(stmt, [{"k": k} for k in keys]).scalars())
+            claimed = set(conn.execute(stmt, [
+                {"cache_key": k, "owner": owner, "pipeline": pipeline, "expires_at": now + lease_s, "failure": None}
+                for k in keys]).scalars())
             retry = [key for key in keys if key not in claimed and key not in waiting]
             if retry:  # a failure is free to anyone who was not waiting on it (a later run retries)
                 claimed |= set(conn.execute(update(llm_claims).where(c.cache_key.in_(retry), c.failure.is_not(None))
