@@ -19,11 +19,15 @@ class ReviewSampling:
             never samples differently).
         below_confidence: Results whose confidence is below this are always sampled.
         first_labels: The first result with each label a tenant gets is sampled.
+        store_text: Keep the document's text with each sampled item (``review_queue.content``)
+            for reviewers and, promoted, the golden set; False keeps only key and output, for
+            tenants whose text must not be copied out of their own systems.
     """
 
     rate: float = 0.01
     below_confidence: float | None = 0.5
     first_labels: bool = True
+    store_text: bool = True
 
     def reason(self, tenant: str, stage: str, doc_key: str, output: Mapping[str, object],
                seen_labels: set[tuple[str, str, str]]) -> str | None:

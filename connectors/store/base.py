@@ -59,8 +59,8 @@ class DocumentOutcome:
     #: The document may have open dead letters, so this outcome is written even with nothing new
     #: (the store settles letters for every outcome it writes, from the letters as stored).
     settles_dead_letters: bool = False
-    #: (stage, output, why) sampled for human review.
-    reviews: tuple[tuple[str, dict[str, Any], str], ...] = ()
+    #: Sampled for human review: (stage, output, why sampled, the text kept for reviewers or "").
+    reviews: tuple[tuple[str, dict[str, Any], str, str], ...] = ()
     #: The message's original bytes: what a ``store_rejected`` dead letter keeps if the store
     #: refuses this outcome.
     payload: bytes = b""

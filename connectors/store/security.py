@@ -1,41 +1,129 @@
-"""Analyst access on PostgreSQL: a read-only role that sees one tenant's rows at a time.
+"""Analyst access on PostgreSQL: read-only logins that see the tenants the owner granted them.
 
-An analyst session says which tenant it is looking at with ``SET app.tenant = 'acme'``; every table
-with a tenant column has a row-level security policy comparing against it, and the views run with
-the caller's rights (``security_invoker``), so no table or view shows another tenant's rows.
-Without ``app.tenant`` an analyst sees nothing.
+Which tenants a login may read is data the owner controls: ``analyst_grants`` (role, tenant),
+written by ``etl analyst grant`` as the owner. Every table with a tenant column has row-level
+security with one policy, checking ``current_user`` against those grants; a session can narrow
+what it sees with ``SET app.tenant = 'acme'`` but never widen it (the setting only ever adds a
+condition). Views run with the caller's rights (``security_invoker``). Nothing an analyst can set
+decides what she may read: ``current_user`` changes only through ``SET ROLE`` to a role she is a
+member of, which reads with that role's grants (a group role has none).
+
+The migrations need no cluster-wide rights: creating the group role ``etl_analyst`` is an admin's
+step (``etl analyst init`` as a user with CREATEROLE, or ``CREATE ROLE etl_analyst NOLOGIN``), and
+tables grant it read access whenever it exists — at creation, and once more by ``etl analyst init``.
 """
 
 from __future__ import annotations
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, text
 
 ANALYST_ROLE = "etl_analyst"
+GRANTS_TABLE = "analyst_grants"
 
 
-def create_analyst_role(conn: Connection) -> None:
-    """The NOLOGIN group role analysts' logins are granted (``GRANT etl_analyst TO alice``)."""
-    conn.exec_driver_sql(
-        f"DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{ANALYST_ROLE}') "
-        f"THEN CREATE ROLE {ANALYST_ROLE} NOLOGIN; END IF; END $$"
-    )
-    conn.exec_driver_sql(f"GRANT USAGE ON SCHEMA {_schema(conn)} TO {ANALYST_ROLE}")
+class AccessRefused(ValueError):
+    """A grant or setup step that cannot be made; the message says what to do instead."""
+
+
+#: Rows a reader may see: a tenant granted to the current role, narrowed by ``app.tenant`` if set.
+TENANT_POLICY = (
+    f"tenant IN (SELECT g.tenant FROM {GRANTS_TABLE} AS g WHERE g.role = current_user::text) "
+    "AND tenant = coalesce(nullif(current_setting('app.tenant', true), ''), tenant)"
+)
+
+
+def analyst_role_exists(conn: Connection) -> bool:
+    return conn.execute(text("SELECT 1 FROM pg_roles WHERE rolname = :r"), {"r": ANALYST_ROLE}).first() is not None
 
 
 def protect_tenant_table(conn: Connection, table: str) -> None:
-    """Row-level security by ``app.tenant`` on ``table``, readable by the analyst role."""
-    conn.exec_driver_sql(f'ALTER TABLE "{table}" ENABLE ROW LEVEL SECURITY')
-    conn.exec_driver_sql(f'DROP POLICY IF EXISTS tenant_isolation ON "{table}"')
-    conn.exec_driver_sql(
-        f'CREATE POLICY tenant_isolation ON "{table}" FOR SELECT TO {ANALYST_ROLE} '
-        "USING (tenant = current_setting('app.tenant', true))"
-    )
-    conn.exec_driver_sql(f'GRANT SELECT ON "{table}" TO {ANALYST_ROLE}')
+    """Row-level security on ``table`` by the grants; readable by the analyst role if it exists.
+    The policy is for every role but the owner (who bypasses it), so no other login reads more."""
+    name = _quoted(conn, table)
+    conn.exec_driver_sql(f"ALTER TABLE {name} ENABLE ROW LEVEL SECURITY")
+    conn.exec_driver_sql(f"DROP POLICY IF EXISTS tenant_isolation ON {name}")
+    conn.exec_driver_sql(f"CREATE POLICY tenant_isolation ON {name} FOR SELECT USING ({TENANT_POLICY})")
+    if analyst_role_exists(conn):
+        conn.exec_driver_sql(f"GRANT SELECT ON {name} TO {ANALYST_ROLE}")
 
 
-def grant_view(conn: Connection, view: str) -> None:
-    conn.exec_driver_sql(f'GRANT SELECT ON "{view}" TO {ANALYST_ROLE}')
+def protect_grants(conn: Connection) -> None:
+    """Each login reads its own grants (the policies above read them with its rights), no others."""
+    conn.exec_driver_sql(f"ALTER TABLE {GRANTS_TABLE} ENABLE ROW LEVEL SECURITY")
+    conn.exec_driver_sql(f"DROP POLICY IF EXISTS own_grants ON {GRANTS_TABLE}")
+    conn.exec_driver_sql(f"CREATE POLICY own_grants ON {GRANTS_TABLE} FOR SELECT USING (role = current_user::text)")
 
 
-def _schema(conn: Connection) -> str:
-    return str(conn.exec_driver_sql("SELECT current_schema()").scalar_one())
+def protected_tables(conn: Connection) -> list[str]:
+    """Tables of this schema under the tenant policy: the core ones and every typed table."""
+    return list(conn.execute(text(
+        "SELECT tablename FROM pg_policies WHERE schemaname = current_schema() AND policyname = 'tenant_isolation' "
+        "ORDER BY tablename")).scalars())
+
+
+def grant_reads(conn: Connection) -> list[str]:
+    """Read access for the analyst role on every protected table, the views and its own grants;
+    returns what was granted. Needs the role, and the tables' owner (or a superuser). The schema's
+    USAGE is granted too where this user may grant it (``schema_usage_missing`` says if not)."""
+    schema = conn.execute(text("SELECT current_schema()")).scalar_one()
+    if schema_usage_missing(conn) and conn.execute(text(
+            "SELECT pg_has_role(nspowner, 'USAGE') FROM pg_namespace WHERE nspname = :s"), {"s": schema}).scalar():
+        conn.exec_driver_sql(f"GRANT USAGE ON SCHEMA {_quoted(conn, schema)} TO {ANALYST_ROLE}")
+    # Only views that read with the caller's rights: any other view would read as its owner, past
+    # the policies.
+    views = list(conn.execute(text(
+        "SELECT c.relname FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = current_schema() AND c.relkind = 'v' AND c.reloptions @> ARRAY['security_invoker=true'] "
+        "ORDER BY c.relname")).scalars())
+    relations = [*protected_tables(conn), *views, GRANTS_TABLE]
+    for relation in relations:
+        conn.exec_driver_sql(f"GRANT SELECT ON {_quoted(conn, relation)} TO {ANALYST_ROLE}")
+    return relations
+
+
+def schema_usage_missing(conn: Connection) -> str | None:
+    """The schema the analyst role cannot use yet (its owner must grant it), or None."""
+    schema = str(conn.execute(text("SELECT current_schema()")).scalar_one())
+    usable = conn.execute(text("SELECT has_schema_privilege(:r, :s, 'USAGE')"), {"r": ANALYST_ROLE, "s": schema}).scalar()
+    return None if usable else schema
+
+
+def init_analysts(conn: Connection) -> bool:
+    """Creates the analyst group role if missing (needs CREATEROLE) and grants it read access;
+    returns whether the role was created here."""
+    created = False
+    if not analyst_role_exists(conn):
+        can = conn.execute(text("SELECT rolcreaterole OR rolsuper FROM pg_roles WHERE rolname = current_user")).scalar()
+        if not can:
+            raise AccessRefused(
+                f"{current_role(conn)} may not create roles: run `CREATE ROLE {ANALYST_ROLE} NOLOGIN;` as an admin, "
+                "then `etl analyst init` again")
+        conn.exec_driver_sql(f"CREATE ROLE {ANALYST_ROLE} NOLOGIN")
+        created = True
+    grant_reads(conn)
+    return created
+
+
+def _quoted(conn: Connection, name: str) -> str:
+    return str(conn.dialect.identifier_preparer.quote_identifier(name))
+
+
+def current_role(conn: Connection) -> str:
+    return str(conn.execute(text("SELECT current_user")).scalar_one())
+
+
+def check_login(conn: Connection, role: str) -> None:
+    """Refuses a grant nobody could use: a role that does not exist, or the group role itself
+    (whose grants only a ``SET ROLE etl_analyst`` would read)."""
+    if role == ANALYST_ROLE:
+        raise AccessRefused(f"grant tenants to analysts' logins, not to the group role {ANALYST_ROLE}")
+    if conn.execute(text("SELECT 1 FROM pg_roles WHERE rolname = :r"), {"r": role}).first() is None:
+        raise AccessRefused(f"role {role!r} does not exist: create it first "
+                          f"(CREATE ROLE \"{role}\" LOGIN PASSWORD '...' IN ROLE {ANALYST_ROLE};)")
+
+
+def is_analyst(conn: Connection, role: str) -> bool:
+    """Whether ``role`` can read through the analyst group (member of it, directly or not)."""
+    if not analyst_role_exists(conn):
+        return False
+    return bool(conn.execute(text("SELECT pg_has_role(:r, :g, 'USAGE')"), {"r": role, "g": ANALYST_ROLE}).scalar())

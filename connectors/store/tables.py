@@ -265,6 +265,18 @@ review_queue = Table(
     UniqueConstraint("pipeline", "tenant", "doc_key", "stage", name="uq_review_queue"),
 )
 
+# -- access ----------------------------------------------------------------------------------
+
+#: Which tenants each analyst login may read (PostgreSQL only; see ``connectors.store.security``).
+analyst_grants = Table(
+    "analyst_grants",
+    metadata,
+    Column("role", String(200), nullable=False),
+    Column("tenant", String(200), nullable=False),
+    _now(),
+    PrimaryKeyConstraint("role", "tenant", name="pk_analyst_grants"),
+)
+
 #: Tables with a tenant column: row-level security for analysts applies to each (PostgreSQL).
 TENANT_TABLES = ("documents", "stage_results", "llm_cache", "llm_calls", "dead_letters", "golden_examples",
                  "eval_runs", "eval_results", "drift_alerts", "review_queue")
@@ -296,6 +308,17 @@ def _column_type(annotation: Any) -> tuple[Any, bool]:
 
 #: PostgreSQL cuts identifiers at 63 bytes: two longer names could become one column.
 MAX_IDENTIFIER_BYTES = 63
+
+
+def typed_table_names(conn: Any) -> list[str]:
+    """The typed tables in the store's schema, found by the columns idem-etl gives each (so tables
+    of pipelines this process never loaded count too)."""
+    from sqlalchemy import inspect  # noqa: PLC0415
+
+    inspector = inspect(conn)
+    mark = {*TYPED_KEY_COLUMNS, "cache_key", "updated_at"}
+    return sorted(n for n in inspector.get_table_names() if n not in metadata.tables
+                  and mark <= {c["name"] for c in inspector.get_columns(n)})
 
 
 def typed_table_problem(name: str, schema: type[BaseModel]) -> str | None:

@@ -217,8 +217,8 @@ class BatchWriter:
         letters = self._dead_letters(conn, pipeline, batch, latest, won)
         reviews = [
             {"pipeline": pipeline, "tenant": o.document.tenant, "stage": stage, "doc_key": o.document.key,
-             "content": o.document.content, "output": output, "sampled_because": why}
-            for o in winners if o.document is not None for stage, output, why in o.reviews
+             "content": content, "output": output, "sampled_because": why}
+            for o in winners if o.document is not None for stage, output, why, content in o.reviews
         ]
         upsert(conn, review_queue, reviews, ("pipeline", "tenant", "doc_key", "stage"), None)
         # Results are durable now: nobody needs to wait on these keys any more. A failure is not

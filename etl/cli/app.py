@@ -14,6 +14,7 @@ import typer
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from etl.cli.access import register as register_access
 from etl.cli.quality import register as register_quality
 from etl.cli.support import DbOption, PipelineArg, console, out, table_of
 from etl.cli.support import fail as _fail
@@ -277,6 +278,7 @@ def db_upgrade(pipeline: SchemaPipelineArg = None, db: DbOption = None) -> None:
 
 
 register_quality(app)
+register_access(app)
 
 
 def main() -> None:

@@ -4,33 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-from datetime import date, datetime, timezone
+from datetime import date, datetime
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from sqlalchemy import Engine, select, text, update
+from sqlalchemy import select, text, update
 
-from etl.cli.support import DbOption, PipelineArg, fail, out, safe_url, table_of
+from etl.cli.support import DbOption, PipelineArg, fail, out, safe_url, store_engine, table_of
 from etl.errors import EtlError
 from etl.settings import Settings
 
 golden_app = typer.Typer(no_args_is_help=True, help="Golden sets: labelled examples per tenant and stage.")
 review_app = typer.Typer(no_args_is_help=True, help="The human review queue.")
 TenantOption = Annotated[str | None, typer.Option(help="Only this tenant.")]
-
-
-def _engine(db: str | None, pipeline: Any = None) -> tuple[Engine, str]:
-    from connectors.store import make_engine, upgrade  # noqa: PLC0415
-    from etl.runtime.wiring import database_url  # noqa: PLC0415
-
-    url = db or database_url(pipeline, Settings())
-    engine = make_engine(url)
-    try:
-        upgrade(engine)
-    except Exception as exc:  # noqa: BLE001 - one line for the user
-        fail(f"cannot open {safe_url(url)}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
-    return engine, url
 
 
 @golden_app.command("import")
@@ -50,7 +37,7 @@ def golden_import(
         examples = read_golden(file, tenant)
     except EtlError as exc:
         fail(str(exc))
-    engine, url = _engine(db)
+    engine, url = store_engine(db)
     count = import_golden(engine, pipeline, stage, examples)
     tenants = sorted({e["tenant"] for e in examples})
     out.print(f"{count} golden example(s) for {pipeline}/{stage}, tenants {tenants} → {safe_url(url)}")
@@ -66,7 +53,7 @@ def evaluate(pipeline: PipelineArg, stage: Annotated[str | None, typer.Option(he
 
     try:
         loaded = load_pipeline(pipeline)
-        engine, _ = _engine(db, loaded)
+        engine, _ = store_engine(db, loaded)
         settings = Settings()
         llm = loaded.llm or default_llm(settings)
         runs = asyncio.run(run_eval(engine, loaded, llm, stage, tenant, repairs=settings.repairs))
@@ -86,7 +73,7 @@ def drift(pipeline: Annotated[str, typer.Option(help="The pipeline's name.")],
     """Compare each tenant and stage's latest window of results with its first; record alerts."""
     from etl.quality.drift import detect  # noqa: PLC0415
 
-    engine, _ = _engine(db)
+    engine, _ = store_engine(db)
     alerts = detect(engine, pipeline, window)
     if not alerts:
         out.print(f"{pipeline}: no drift over windows of {window}")
@@ -102,7 +89,7 @@ def quality(tenant: TenantOption = None,
             db: DbOption = None) -> None:
     """Per tenant × stage × model × day: calls, cache hit rate, failure rates by layer, latency
     percentiles, tokens, spend and savings (the quality_daily view)."""
-    engine, _ = _engine(db)
+    engine, _ = store_engine(db)
     where, params = ["1 = 1"], {}  # type: list[str], dict[str, Any]
     for column, value in (("tenant", tenant), ("pipeline", pipeline)):
         if value:
@@ -148,7 +135,7 @@ def review_export(out_file: Annotated[Path, typer.Option("--out", help="JSONL fi
     """Write pending review items (text and output) for reviewers; they become 'exported'."""
     from connectors.store.tables import review_queue as q  # noqa: PLC0415
 
-    engine, _ = _engine(db)
+    engine, _ = store_engine(db)
     query = select(q.c.id, q.c.pipeline, q.c.tenant, q.c.stage, q.c.doc_key, q.c.content, q.c.output,
                    q.c.sampled_because).where(q.c.status == "pending")
     if tenant:
@@ -170,39 +157,23 @@ def review_import(file: Annotated[Path, typer.Argument(help="The exported JSONL 
                   promote: Annotated[bool, typer.Option(help="Add reviewed items to the golden set.")] = False,
                   reviewer: Annotated[str | None, typer.Option(help="Who reviewed.")] = None,
                   db: DbOption = None) -> None:
-    """Record human verdicts; with --promote, confirmed or corrected answers join the golden set."""
-    from connectors.store.tables import review_queue as q  # noqa: PLC0415
-    from etl.quality.golden import import_golden  # noqa: PLC0415
+    """Record human verdicts; with --promote, confirmed or corrected answers join the golden set.
+    Items are matched by id; only verdict, corrected and reviewer are read from the file."""
+    from etl.quality.review import read_verdicts, record_verdicts  # noqa: PLC0415
 
     if not file.is_file():
         fail(f"review file {file} does not exist")
-    engine, _ = _engine(db)
-    reviewed, promoted = 0, []
-    with engine.begin() as conn:
-        for number, line in enumerate(file.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            item = json.loads(line)
-            verdict = item.get("verdict")
-            if verdict not in ("correct", "incorrect"):
-                continue  # not reviewed yet
-            if verdict == "incorrect" and not item.get("corrected"):
-                fail(f"{file}:{number}: an incorrect verdict needs a corrected answer")
-            conn.execute(update(q).where(q.c.id == item["id"]).values(
-                status="reviewed", verdict=verdict, corrected=item.get("corrected"),
-                reviewer=reviewer or item.get("reviewer"), reviewed_at=datetime.now(timezone.utc)))
-            reviewed += 1
-            if promote:
-                promoted.append(item)
-    by_target: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for item in promoted:
-        expected = item["corrected"] if item["verdict"] == "incorrect" else item["output"]
-        expected = {k: v for k, v in expected.items() if k != "confidence"}
-        by_target.setdefault((item["pipeline"], item["stage"]), []).append(
-            {"tenant": item["tenant"], "doc_key": item["doc_key"], "content": item["content"], "expected": expected})
-    for (name, stage), examples in by_target.items():
-        import_golden(engine, name, stage, examples, origin="review")
-    out.print(f"{reviewed} verdict(s) recorded; {len(promoted)} promoted to the golden set")
+    engine, _ = store_engine(db)
+    try:
+        verdicts = read_verdicts(engine, file)
+    except EtlError as exc:
+        fail(str(exc))
+    try:
+        recorded, promoted = record_verdicts(engine, verdicts, reviewer, promote=promote)
+    except EtlError as exc:
+        fail(str(exc))
+    skipped = f" ({recorded - promoted} without kept text)" if promote and promoted < recorded else ""
+    out.print(f"{recorded} verdict(s) recorded; {promoted} promoted to the golden set{skipped}")
 
 
 def report(out_dir: Annotated[Path, typer.Option("--out", help="Directory for index.html.")],
@@ -211,7 +182,7 @@ def report(out_dir: Annotated[Path, typer.Option("--out", help="Directory for in
     """An HTML page: accuracy over time, drift, cost and cache savings per tenant."""
     from etl.quality.report import write_report  # noqa: PLC0415
 
-    engine, _ = _engine(db)
+    engine, _ = store_engine(db)
     path = write_report(engine, out_dir, pipeline)
     out.print(f"report → {path}")
 

@@ -9,7 +9,10 @@ from typing import Annotated, Any, NoReturn
 import typer
 from rich.console import Console
 from rich.table import Table
+from sqlalchemy import Engine
 from sqlalchemy.engine import make_url
+
+from etl.settings import Settings
 
 console = Console(stderr=True)
 # Piped or captured output gets wide tables rather than columns cut to 80 characters.
@@ -37,3 +40,17 @@ def table_of(title: str, rows: Sequence[dict[str, Any]]) -> Table:
     for row in rows:
         table.add_row(*["" if v is None else f"{v:.6g}" if isinstance(v, float) else str(v) for v in row.values()])
     return table
+
+
+def store_engine(db: str | None, pipeline: Any = None) -> tuple[Engine, str]:
+    """The store at ``db`` (default: the pipeline's, then ETL_DATABASE_URL), migrated to head."""
+    from connectors.store import make_engine, upgrade  # noqa: PLC0415
+    from etl.runtime.wiring import database_url  # noqa: PLC0415
+
+    url = db or database_url(pipeline, Settings())
+    engine = make_engine(url)
+    try:
+        upgrade(engine)
+    except Exception as exc:  # noqa: BLE001 - one line for the user
+        fail(f"cannot open {safe_url(url)}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
+    return engine, url

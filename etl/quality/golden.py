@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, insert, select
+from sqlalchemy import Connection, Engine, insert, select
 
 from connectors.store.sql import migrate as upgrade_schema
 from connectors.store.tables import eval_results, eval_runs, golden_examples, llm_calls
@@ -24,34 +24,87 @@ from etl.errors import ConfigError
 from etl.llm.base import LLM
 from etl.pipeline import Pipeline
 from etl.quality.scoring import classification_scores, extraction_scores
+from etl.runtime.decode import MAX_KEY, MAX_TENANT
 from etl.runtime.execute import ModelCalls, StageFailed, StagePlan
 from etl.stages import Classify
+from etl.storable import text_problem, value_problem
 from schemas import Document, Position
 
 
 def read_golden(path: Path, default_tenant: str = "default") -> list[dict[str, Any]]:
-    """JSONL: ``{"id", "text", "tenant"?, "expected": {...}}`` or ``"label"`` for a classify stage."""
-    examples = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    """JSONL: ``{"id", "text", "tenant"?, "expected": {...}}`` or ``"label"`` for a classify stage.
+    Every line is checked; any reject fails the whole file (nothing is imported), naming each
+    rejected line."""
+    examples: list[dict[str, Any]] = []
+    rejects: list[str] = []
+    seen: dict[tuple[str, str], int] = {}
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="surrogateescape").splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-            expected = row["expected"] if "expected" in row else {"label": row["label"]}
-            examples.append({"doc_key": str(row["id"]), "content": row["text"], "expected": expected,
-                             "tenant": row.get("tenant") or default_tenant})
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ConfigError(f"{path}:{number}: a golden example needs id, text and expected (or label): {exc}") from exc
+            example = _golden_line(line, default_tenant)
+        except ValueError as exc:
+            rejects.append(f"line {number}: {exc}")
+            continue
+        ref = (example["tenant"], example["doc_key"])
+        if ref in seen:
+            rejects.append(f"line {number}: id {ref[1]!r} of tenant {ref[0]!r} is also on line {seen[ref]}")
+            continue
+        seen[ref] = number
+        examples.append(example)
+    if rejects:
+        shown = "; ".join(rejects[:10]) + (f"; and {len(rejects) - 10} more" if len(rejects) > 10 else "")
+        raise ConfigError(f"{path}: {len(rejects)} line(s) rejected, nothing imported: {shown}")
     return examples
+
+
+def _golden_line(line: str, default_tenant: str) -> dict[str, Any]:
+    """One example from one line, or a ValueError saying what is wrong with it."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc.msg})") from None
+    if not isinstance(row, dict):
+        raise ValueError("not a JSON object")
+    key, content, tenant = row.get("id"), row.get("text"), row.get("tenant", default_tenant)
+    if isinstance(key, bool) or not isinstance(key, (str, int)) or key == "":
+        raise ValueError("needs an id (a string or an integer)")
+    key = str(key)
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("needs a text (a non-empty string)")
+    if not isinstance(tenant, str) or not tenant:
+        raise ValueError("tenant must be a non-empty string")
+    if "expected" in row:
+        expected = row["expected"]
+        if not isinstance(expected, dict) or not expected:
+            raise ValueError("expected must be a non-empty JSON object")
+    elif isinstance(row.get("label"), str) and row["label"]:
+        expected = {"label": row["label"]}
+    else:
+        raise ValueError("needs expected (an object) or label (a string)")
+    for what, value, limit in (("id", key, MAX_KEY), ("tenant", tenant, MAX_TENANT), ("text", content, None)):
+        if limit is not None and len(value) > limit:
+            raise ValueError(f"{what} is longer than {limit} characters")
+        if (problem := text_problem(value)) is not None:
+            raise ValueError(f"{what} {problem}")
+    if (problem := value_problem(expected, "expected")) is not None:
+        raise ValueError(problem)
+    return {"doc_key": key, "content": content, "expected": expected, "tenant": tenant}
 
 
 def import_golden(engine: Engine, pipeline: str, stage: str, examples: Iterable[dict[str, Any]],
                   origin: str = "import") -> int:
     """Upserts examples (the same id replaces its expected answer); returns how many."""
-    rows = [{"pipeline": pipeline, "stage": stage, "origin": origin, **e} for e in examples]
     with engine.begin() as conn:
         upgrade_schema(conn)
-        upsert(conn, golden_examples, rows, ("pipeline", "tenant", "stage", "doc_key"), "expected")
+        return store_golden(conn, pipeline, stage, examples, origin)
+
+
+def store_golden(conn: Connection, pipeline: str, stage: str, examples: Iterable[dict[str, Any]],
+                 origin: str = "import") -> int:
+    """:func:`import_golden` inside the caller's transaction."""
+    rows = [{"pipeline": pipeline, "stage": stage, "origin": origin, **e} for e in examples]
+    upsert(conn, golden_examples, rows, ("pipeline", "tenant", "stage", "doc_key"), "expected")
     return len(rows)
 
 

@@ -239,7 +239,7 @@ class Executor:
                 work.typed.append((stage.table, {**output.model_dump(), "cache_key": key}))
             if self.review is not None and (why := self.review.reason(
                     document.tenant, stage.name, document.key, entry.output, self.seen_labels)):
-                work.reviews.append((stage.name, entry.output, why))
+                work.reviews.append((stage.name, entry.output, why, document.content if self.review.store_text else ""))
         # Stored results of stages that no longer apply (a when= that now says no) go too.
         stale = sum((*ref, plan.stage.name) in lookup.results for plan in plans) > stored_stages
         if not work.results and not settles and not stale:
@@ -280,4 +280,4 @@ class _Work:
     typed: list[tuple[str, dict[str, Any]]] = dataclasses.field(default_factory=list)
     calls: list[CallRecord] = dataclasses.field(default_factory=list)
     cache: list[CacheEntry] = dataclasses.field(default_factory=list)
-    reviews: list[tuple[str, dict[str, Any], str]] = dataclasses.field(default_factory=list)
+    reviews: list[tuple[str, dict[str, Any], str, str]] = dataclasses.field(default_factory=list)

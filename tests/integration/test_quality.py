@@ -1,21 +1,17 @@
 """Quality per tenant: drift without a deploy, evals on a golden set, review sampling, budgets,
-overrides, and analysts who see only their tenant's rows (row-level security on PostgreSQL)."""
+overrides (analysts: test_tenancy.py)."""
 
 from __future__ import annotations
 
 import json
-import uuid
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 from typer.testing import CliRunner
 
 from connectors.store import make_engine
-from connectors.store.tables import TENANT_TABLES
-from etl import Classify, Extract, Pipeline, Receipt, run_pipeline
+from etl import Classify, Pipeline, run_pipeline
 from etl.cli import app
 from etl.quality.drift import detect
 from etl.tenancy import ReviewSampling
@@ -146,56 +142,3 @@ async def test_tenant_overrides_change_prompt_and_key_for_that_tenant_only(sqlit
     assert "Acme style" in acme and "acme-vip" in acme and "Acme" not in globex and "acme-vip" not in globex
     assert len(prompts) == 1  # same document text, two prompts, two fingerprints
     assert len({k for (k,) in rows(sqlite_url, "SELECT fingerprint FROM stage_results")}) == 2
-
-
-async def test_analysts_see_only_their_tenant_through_every_table_and_view(postgres_url: str) -> None:
-    url = postgres_url
-    docs = [{"id": f"{t}{i}", "tenant": t, "text": f"{t} ticket {i}"} for i in range(30) for t in ("acme", "globex")]
-    docs += [{"id": f"bad-{t}", "tenant": t, "text": f"{t} [fault]"} for t in ("acme", "globex")]
-    llm = FakeLLM(answer=lambda r: "oops" if "[fault]" in r.messages[1]["content"] else {"label": "billing",
-                                                                                          "company": "c", "date": "d",
-                                                                                          "address": "a", "total": 1})
-    p = Pipeline("support", ListSource(docs), [Classify(LABELS, "Route."), Extract(Receipt, "Extract.")],
-                 store=url, review=ReviewSampling(rate=0.5))
-    await run_pipeline(p, llm=llm)
-    engine = make_engine(url)
-    for tenant in ("acme", "globex"):
-        from etl.quality.golden import evaluate, import_golden
-
-        import_golden(engine, "support", "classify", [{"tenant": tenant, "doc_key": "g1", "content": "hi",
-                                                       "expected": {"label": "billing"}}])
-        await evaluate(engine, p, FakeLLM(), "classify", tenant)
-    with engine.begin() as conn:
-        conn.execute(text("INSERT INTO drift_alerts (pipeline, tenant, stage, metric, baseline, recent, score, "
-                          "threshold, \"window\") VALUES ('support', 'globex', 'classify', 'label_psi', 0, 0, 1, 0.2, 10), "
-                          "('support', 'acme', 'classify', 'label_psi', 0, 0, 1, 0.2, 10)"))
-    relations = [*TENANT_TABLES, "receipt", "quality_daily", "eval_trend"]
-    with engine.connect() as conn:
-        owner_counts = {r: conn.execute(text(f'SELECT count(DISTINCT tenant) FROM "{r}"')).scalar_one() for r in relations}
-    missing = [f"{r}={n}" for r, n in owner_counts.items() if n != 2]
-    assert not missing, missing  # both tenants have rows everywhere
-
-    analyst = f"analyst_{uuid.uuid4().hex[:8]}"
-    with engine.begin() as conn:
-        conn.execute(text(f"CREATE ROLE {analyst} LOGIN PASSWORD 'pw' IN ROLE etl_analyst"))
-    analyst_url = make_url(url).set(username=analyst, password="pw")
-    reader = create_engine(analyst_url)
-    try:
-        with reader.connect() as conn:
-            for relation in relations:
-                assert conn.execute(text(f'SELECT count(*) FROM "{relation}"')).scalar_one() == 0, relation
-            conn.execute(text("SET app.tenant = 'acme'"))
-            for relation in relations:
-                seen = {t for (t,) in conn.execute(text(f'SELECT DISTINCT tenant FROM "{relation}"'))}
-                assert seen == {"acme"}, (relation, seen)
-            with pytest.raises(Exception, match="permission denied"):
-                conn.execute(text("INSERT INTO stage_results (pipeline) VALUES ('x')"))
-            conn.rollback()
-            for relation in ("source_positions", "llm_claims"):  # no tenant column: not granted at all
-                with pytest.raises(Exception, match="permission denied"):
-                    conn.execute(text(f'SELECT * FROM "{relation}"'))
-                conn.rollback()
-    finally:
-        reader.dispose()
-        with engine.begin() as conn:
-            conn.execute(text(f"DROP ROLE {analyst}"))

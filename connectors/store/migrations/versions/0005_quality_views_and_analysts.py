@@ -1,4 +1,6 @@
-"""quality views; analyst role with row-level security (PostgreSQL)
+"""quality views; row-level security on every table with a tenant column (PostgreSQL)
+
+The policies themselves, and read access for analysts, come with 0008 (``analyst_grants``).
 
 Revision ID: 0005
 Revises: 0004
@@ -6,13 +8,15 @@ Revises: 0004
 
 from alembic import op
 
-from connectors.store.security import create_analyst_role, grant_view, protect_tenant_table
-from connectors.store.tables import TENANT_TABLES
 
 revision = "0005"
 down_revision = "0004"
 branch_labels = None
 depends_on = None
+
+#: Tables with a tenant column at this revision.
+TENANT_TABLES = ("documents", "stage_results", "llm_cache", "llm_calls", "dead_letters", "golden_examples",
+                 "eval_runs", "eval_results", "drift_alerts", "review_queue")
 
 # One row per pipeline × tenant × stage × model × day, from every attempt in llm_calls.
 QUALITY_DAILY = """
@@ -53,18 +57,14 @@ def _pct(q: float) -> str:
 
 
 def upgrade() -> None:
-    conn = op.get_bind()
-    if conn.dialect.name == "postgresql":
+    if op.get_bind().dialect.name == "postgresql":
         daily = QUALITY_DAILY.format(day="(created_at AT TIME ZONE 'UTC')::date", p50=_pct(0.5), p95=_pct(0.95),
                                      p99=_pct(0.99))
         # security_invoker: the view reads with the caller's rights, so row-level security applies.
         op.execute(f"CREATE VIEW quality_daily WITH (security_invoker = true) AS {daily}")
         op.execute(f"CREATE VIEW eval_trend WITH (security_invoker = true) AS {EVAL_TREND}")
-        create_analyst_role(conn)
         for table in TENANT_TABLES:
-            protect_tenant_table(conn, table)
-        for view in ("quality_daily", "eval_trend"):
-            grant_view(conn, view)
+            op.execute(f'ALTER TABLE "{table}" ENABLE ROW LEVEL SECURITY')
     else:
         # SQLite has no percentile aggregate: `etl quality` computes latency percentiles itself.
         op.execute("CREATE VIEW quality_daily AS " + QUALITY_DAILY.format(
