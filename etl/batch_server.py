@@ -1,0 +1,218 @@
+"""An OpenAI-wire batch server for tests: Files (``purpose=batch``) and ``/v1/batches``, on 127.0.0.1.
+
+Each line of a batch is answered as :class:`~etl.fault_server.FaultServer` answers a chat request
+(its ``[fault:...]`` directives included: ``[fault:500x1]`` makes that line an errored one), and
+results come back the way the provider returns them: in an output file and an error file, keyed by
+``custom_id``, in no particular order. Whole-batch behaviour is scripted on the server:
+
+- ``polls``: a batch is ``in_progress`` for this many retrievals before it completes;
+- ``expire_next`` / ``fail_next``: the next batches created expire (every line not yet done goes to
+  the error file as ``batch_expired``) or fail validation (``status: failed``, no files);
+- ``duplicate_lines`` / ``unknown_lines``: the output file repeats a line and adds one for a
+  ``custom_id`` that was never sent.
+
+It counts everything: every HTTP request, every batch line it received, the tokens it billed.
+"""
+
+from __future__ import annotations
+
+import email.parser
+import email.policy
+import json
+import random
+import threading
+import time
+from http.server import BaseHTTPRequestHandler
+from typing import Any
+
+from etl.fault_server import FaultServer
+
+
+class BatchServer(FaultServer):
+    """Start with ``with BatchServer() as server:``; ``server.url`` is the base URL (``.../v1``)."""
+
+    def __init__(self, *, polls: int = 0, seed: int = 0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.polls = polls
+        self.expire_next = 0
+        self.fail_next = 0
+        self.duplicate_lines = False
+        self.unknown_lines = False
+        self.http_requests = 0
+        self.lines_received = 0
+        self.billed = [0, 0]  # (prompt, completion) tokens of the lines answered in batches
+        self.files: dict[str, tuple[str, bytes]] = {}  # id -> (purpose, content)
+        self.batches: dict[str, dict[str, Any]] = {}
+        self._polled: dict[str, int] = {}
+        self._random = random.Random(seed)
+        self._ids = 0
+
+    # -- the wire -------------------------------------------------------------------------------
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+        chat = super()._handler()
+
+        class Handler(chat):  # type: ignore[misc, valid-type]
+            def _reply(self, status: int, payload: Any, raw: bytes | None = None) -> None:
+                data = raw if raw is not None else json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/octet-stream" if raw is not None else "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                server._count()
+                path = self.path.split("?")[0].removeprefix("/v1")
+                if path.startswith("/files/") and path.endswith("/content"):
+                    found = server.files.get(path.split("/")[2])
+                    self._reply(200, None, found[1]) if found else self._reply(404, _error("no such file"))
+                elif path == "/batches":
+                    data = sorted(server.batches.values(), key=lambda b: -b["created_at"])
+                    self._reply(200, {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                                      "last_id": data[-1]["id"] if data else None, "has_more": False})
+                elif path.startswith("/batches/"):
+                    batch = server.retrieve(path.split("/")[2])
+                    self._reply(200, batch) if batch else self._reply(404, _error("no such batch"))
+                else:
+                    self._reply(404, _error(f"unknown path {path}"))
+
+            def do_POST(self) -> None:  # noqa: N802
+                path = self.path.split("?")[0].removeprefix("/v1")
+                if path == "/chat/completions":
+                    super().do_POST()  # the synchronous endpoint, as FaultServer serves it
+                    return
+                server._count()
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if path == "/files":
+                    purpose, content = _multipart(self.headers["Content-Type"], body)
+                    self._reply(200, server.add_file(purpose, content))
+                elif path == "/batches":
+                    status, payload = server.create(json.loads(body))
+                    self._reply(status, payload)
+                elif path.startswith("/batches/") and path.endswith("/cancel"):
+                    batch = server.cancel(path.split("/")[2])
+                    self._reply(200, batch) if batch else self._reply(404, _error("no such batch"))
+                else:
+                    self._reply(404, _error(f"unknown path {path}"))
+
+        return Handler
+
+    # -- what it does ---------------------------------------------------------------------------
+
+    def _count(self) -> None:
+        with self._lock:
+            self.http_requests += 1
+
+    def _id(self, prefix: str) -> str:
+        with self._lock:
+            self._ids += 1
+            return f"{prefix}_{self._ids:06d}"
+
+    def add_file(self, purpose: str, content: bytes) -> dict[str, Any]:
+        file_id = self._id("file")
+        self.files[file_id] = (purpose, content)
+        return {"id": file_id, "object": "file", "bytes": len(content), "created_at": int(time.time()),
+                "filename": "input.jsonl", "purpose": purpose, "status": "processed"}
+
+    def create(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        found = self.files.get(body.get("input_file_id", ""))
+        if found is None or found[0] != "batch":
+            return 400, _error("input_file_id is not a file with purpose batch")
+        lines = [json.loads(line) for line in found[1].decode().splitlines() if line.strip()]
+        now = int(time.time())
+        batch: dict[str, Any] = {
+            "id": self._id("batch"), "object": "batch", "endpoint": body.get("endpoint"), "errors": None,
+            "input_file_id": body["input_file_id"], "completion_window": body.get("completion_window", "24h"),
+            "status": "validating", "output_file_id": None, "error_file_id": None, "created_at": now,
+            "in_progress_at": None, "expires_at": now + 86400, "finalizing_at": None, "completed_at": None,
+            "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+            "request_counts": {"total": len(lines), "completed": 0, "failed": 0}, "metadata": body.get("metadata"),
+        }
+        ids = [line.get("custom_id") for line in lines]
+        with self._lock:
+            self.lines_received += len(lines)
+            failing = self.fail_next > 0
+            self.fail_next -= failing
+        if failing or len(set(ids)) != len(ids) or any(line.get("url") != body.get("endpoint") for line in lines):
+            batch.update(status="failed", failed_at=now, errors={"object": "list", "data": [
+                {"code": "invalid_request", "message": "duplicate custom_id or a line for another endpoint"
+                 if not failing else "the input file failed validation", "line": None, "param": None}]})
+        self.batches[batch["id"]] = batch
+        self._polled[batch["id"]] = 0
+        return 200, batch
+
+    def retrieve(self, batch_id: str) -> dict[str, Any] | None:
+        batch = self.batches.get(batch_id)
+        if batch is None or batch["status"] not in ("validating", "in_progress"):
+            return batch
+        self._polled[batch_id] += 1
+        if self._polled[batch_id] <= self.polls:
+            batch.update(status="in_progress", in_progress_at=batch["in_progress_at"] or int(time.time()))
+            return batch
+        with self._lock:
+            expiring = self.expire_next > 0
+            self.expire_next -= expiring
+        self._finish(batch, expired=expiring)
+        return batch
+
+    def cancel(self, batch_id: str) -> dict[str, Any] | None:
+        batch = self.batches.get(batch_id)
+        if batch is not None and batch["status"] in ("validating", "in_progress"):
+            self._finish(batch, expired=False, cancelled=True)
+        return batch
+
+    def _finish(self, batch: dict[str, Any], *, expired: bool, cancelled: bool = False) -> None:
+        lines = [json.loads(line) for line in self.files[batch["input_file_id"]][1].decode().splitlines() if line]
+        out, errors = [], []
+        for number, line in enumerate(lines):
+            record = {"id": f"batch_req_{batch['id']}_{number}", "custom_id": line["custom_id"]}
+            if expired or cancelled:
+                code = "batch_expired" if expired else "batch_cancelled"
+                errors.append({**record, "response": None, "error": {"code": code, "message": f"{code}"}})
+                continue
+            status, _, payload = self.respond(line["body"])
+            if status == 200:
+                with self._lock:
+                    self.billed[0] += payload["usage"]["prompt_tokens"]
+                    self.billed[1] += payload["usage"]["completion_tokens"]
+            target = out if status == 200 else errors
+            target.append({**record, "response": {"status_code": status, "request_id": record["id"], "body": payload},
+                           "error": None})
+        self._random.shuffle(out)  # results come back in no particular order
+        if self.duplicate_lines and out:
+            out.append(out[0])
+        if self.unknown_lines:
+            out.append({"id": "batch_req_unknown", "custom_id": "never-sent", "error": None,
+                        "response": {"status_code": 200, "request_id": "x", "body": {}}})
+        now = int(time.time())
+        if out:
+            batch["output_file_id"] = self.add_file("batch_output", _jsonl(out))["id"]
+        if errors:
+            batch["error_file_id"] = self.add_file("batch_output", _jsonl(errors))["id"]
+        state = "expired" if expired else "cancelled" if cancelled else "completed"
+        batch.update(status=state, **{f"{state}_at": now}, request_counts={
+            "total": len(lines), "completed": len(lines) - len(errors), "failed": len(errors)})
+
+
+def _error(message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "invalid_request_error"}}
+
+
+def _jsonl(records: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in records).encode()
+
+
+def _multipart(content_type: str, body: bytes) -> tuple[str, bytes]:
+    """(purpose, file content) of a multipart/form-data upload."""
+    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+        f"Content-Type: {content_type}\r\n\r\n".encode() + body)
+    purpose, content = "", b""
+    for part in message.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if name == "purpose":
+            purpose = part.get_content().strip() if isinstance(part.get_content(), str) else part.get_content().decode()
+        elif name == "file":
+            content = part.get_payload(decode=True) or b""
+    return purpose, content
