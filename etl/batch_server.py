@@ -20,7 +20,6 @@ import email.parser
 import email.policy
 import json
 import random
-import threading
 import time
 from http.server import BaseHTTPRequestHandler
 from typing import Any

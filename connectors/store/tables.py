@@ -265,6 +265,37 @@ review_queue = Table(
     UniqueConstraint("pipeline", "tenant", "doc_key", "stage", name="uq_review_queue"),
 )
 
+# -- provider batches --------------------------------------------------------------------------
+
+#: A provider batch, recorded before the provider is asked to create it (``id`` is ours and goes
+#: into the batch's metadata, so a restart finds the batch instead of creating it again).
+llm_batches = Table(
+    "llm_batches",
+    metadata,
+    Column("id", String(32), primary_key=True),
+    Column("pipeline", String(200), nullable=False),
+    Column("provider", String(500), nullable=False),
+    Column("provider_id", String(200)),
+    #: recorded | submitted | completed | expired | cancelled | failed | abandoned (never created)
+    Column("status", String(20), nullable=False, server_default="recorded"),
+    Column("lines", Integer, nullable=False),
+    Column("output_file_id", String(200)),
+    Column("error_file_id", String(200)),
+    _now(),
+    Column("closed_at", DateTime(timezone=True)),
+    Index("ix_llm_batches_live", "pipeline", "status"),
+)
+
+#: The requests of each batch, by ``custom_id`` (a stage's cache key, or a repair's own id).
+llm_batch_items = Table(
+    "llm_batch_items",
+    metadata,
+    Column("batch_id", String(32), nullable=False),
+    Column("custom_id", String(64), nullable=False),
+    PrimaryKeyConstraint("batch_id", "custom_id", name="pk_llm_batch_items"),
+    Index("ix_llm_batch_items_custom_id", "custom_id"),
+)
+
 # -- access ----------------------------------------------------------------------------------
 
 #: Which tenants each analyst login may read (PostgreSQL only; see ``connectors.store.security``).

@@ -15,6 +15,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from etl.cli.access import register as register_access
+from etl.cli.batches import register as register_batches
 from etl.cli.quality import register as register_quality
 from etl.cli.support import DbOption, PipelineArg, console, out, table_of
 from etl.cli.support import fail as _fail
@@ -37,10 +38,13 @@ def run(
     metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus metrics on 127.0.0.1:PORT.")] = None,
     stop_when_idle: Annotated[float | None, typer.Option(
         help="Stop once no message arrived for this many seconds while this worker holds partitions (Kafka sources never end by themselves).")] = None,
+    batch: Annotated[bool, typer.Option("--batch", help=(
+        "Send model calls through the provider's Batch API (half price, answers within 24 h); "
+        "killed and run again, it resumes the batches it sent."))] = False,
 ) -> None:
     """Run PIPELINE until its source ends (files) or a signal (Kafka). Re-running is free: processed
     documents are no-ops. SIGTERM/SIGINT drain in-flight work and commit; a second one exits at once."""
-    _run(pipeline, db, metrics_port, stop_when_idle, replay=False, since=None)
+    _run(pipeline, db, metrics_port, stop_when_idle, replay=False, since=None, batch=batch)
 
 
 @app.command()
@@ -94,7 +98,7 @@ def dlq_replay(
 
 
 def _run(pipeline: str, db: str | None, metrics_port: int | None, stop_when_idle: float | None, *,
-         replay: bool, since: datetime | None, dead_letters: str | None = None) -> None:
+         replay: bool, since: datetime | None, dead_letters: str | None = None, batch: bool = False) -> None:
     from etl.metrics import Metrics, serve  # noqa: PLC0415
     from etl.pipeline import load_pipeline  # noqa: PLC0415
     from etl.runtime.wiring import build_runner, database_url, replay_source  # noqa: PLC0415
@@ -128,7 +132,8 @@ def _run(pipeline: str, db: str | None, metrics_port: int | None, stop_when_idle
                     f"{stats.dead_letters}"))
 
             runner = build_runner(loaded, settings, store_url=url, on_progress=show, metrics=metrics,
-                                  idle_stop_s=stop_when_idle, replaying_dead_letters=dead_letters is not None)
+                                  idle_stop_s=stop_when_idle, replaying_dead_letters=dead_letters is not None,
+                                  batch=batch)
             stats = asyncio.run(_run_until_signalled(runner))
             show(stats)
     except EtlError as exc:
@@ -279,6 +284,7 @@ def db_upgrade(pipeline: SchemaPipelineArg = None, db: DbOption = None) -> None:
 
 register_quality(app)
 register_access(app)
+register_batches(app)
 
 
 def main() -> None:

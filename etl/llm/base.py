@@ -23,6 +23,9 @@ class LLMRequest:
     messages: list[Message]
     json_schema: dict[str, Any]
     max_tokens: int = 256
+    #: Which answer this is, stable across runs: the stage's cache key (a repair's own id after an
+    #: invalid answer). A batch backend sends it as the request's ``custom_id``.
+    key: str | None = None
 
 
 @dataclass(frozen=True)

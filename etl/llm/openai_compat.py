@@ -56,6 +56,7 @@ class OpenAICompatibleLLM(LLM):
         self.params = {"temperature": temperature, "structured": structured}
         self.price_per_mtok = price_per_mtok
         key = api_key.get_secret_value() if isinstance(api_key, SecretStr) else api_key
+        self.api_key = SecretStr(key or "")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, timeout=timeout_s)
         self._limit = RateLimit(requests_per_s, tokens_per_min)
@@ -97,9 +98,16 @@ class OpenAICompatibleLLM(LLM):
             raise LLMError(f"provider refused the request ({response.status_code}): {text}")
         try:
             payload = response.json()
+        except ValueError as exc:
+            raise TransientLLMError(f"malformed response from {self.base_url}") from exc
+        return self.answer(payload, latency_ms)
+
+    def answer(self, payload: Any, latency_ms: float) -> LLMResponse:
+        """A chat completion's body as an answer (a batch's result lines carry the same body)."""
+        try:
             choice = payload["choices"][0]
             message = choice.get("message") or {}
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
+        except (KeyError, IndexError, TypeError, AttributeError) as exc:
             raise TransientLLMError(f"malformed response from {self.base_url}") from exc
         usage = payload.get("usage") or {}
         refused = bool(message.get("refusal")) or choice.get("finish_reason") == "content_filter"

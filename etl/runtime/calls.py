@@ -172,7 +172,8 @@ class ModelCalls:
         claims (an eval calls it directly; ``key`` defaults to the document's)."""
         key = key or plan.key(document)
         stage = plan.stage
-        request = LLMRequest(messages=stage.render(document), json_schema=stage.llm_schema(), max_tokens=stage.max_tokens)
+        request = LLMRequest(messages=stage.render(document), json_schema=stage.llm_schema(), max_tokens=stage.max_tokens,
+                             key=key)
         calls: list[CallRecord] = []
         started = time.perf_counter()
         repairs_left = self.repairs

@@ -41,7 +41,9 @@ def default_llm(settings: Settings) -> LLM:
 def build_runner(pipeline: Pipeline, settings: Settings | None = None, *, llm: LLM | None = None,
                  store_url: str | None = None, idle_stop_s: float | None = None,
                  on_progress: Callable[[RunStats], None] | None = None, metrics: Metrics | None = None,
-                 replaying_dead_letters: bool = False) -> Runner:
+                 replaying_dead_letters: bool = False, batch: bool = False) -> Runner:
+    """``batch``: model calls go through the provider's Batch API (see ``etl.llm.batch``), with a
+    window of ``ETL_BATCH_WINDOW`` documents in flight, so one batch carries many of them."""
     settings = settings or Settings()
     store = SqlStore(store_url or database_url(pipeline, settings))
     source = pipeline.source
@@ -52,8 +54,25 @@ def build_runner(pipeline: Pipeline, settings: Settings | None = None, *, llm: L
     llm = llm or pipeline.llm or default_llm(settings)
     if llm.price_per_mtok == (0.0, 0.0) and llm.model_id in settings.prices:
         llm.price_per_mtok = settings.prices[llm.model_id]
+    if batch:
+        llm = _batching(pipeline, llm, store, settings)
+        settings = settings.model_copy(update={"max_in_flight": max(settings.max_in_flight, settings.batch_window)})
     return Runner(pipeline, store, llm, settings, idle_stop_s=idle_stop_s, on_progress=on_progress, metrics=metrics,
                   replaying_dead_letters=replaying_dead_letters)
+
+
+def _batching(pipeline: Pipeline, llm: LLM, store: SqlStore, settings: Settings) -> LLM:
+    from connectors.store.batches import BatchLedger  # noqa: PLC0415
+    from etl.llm.batch import BatchLLM  # noqa: PLC0415
+    from etl.llm.openai_compat import OpenAICompatibleLLM  # noqa: PLC0415
+
+    if not isinstance(llm, OpenAICompatibleLLM):
+        raise ConfigError(f"--batch needs an OpenAI-compatible model (ETL_LLM_BASE_URL or Pipeline(llm=...)); "
+                          f"{type(llm).__name__} has no batch API")
+    if isinstance(pipeline.source, KafkaSource):
+        raise ConfigError("--batch reads files for now: a Kafka topic up to its end offsets is not supported yet")
+    return BatchLLM(llm, BatchLedger(store.engine, pipeline.name, llm.base_url), discount=settings.batch_discount,
+                    poll_s=settings.batch_poll_s)
 
 
 def replay_source(pipeline: Pipeline, since: datetime | None) -> KafkaSource:

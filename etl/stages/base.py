@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ValidationError
 
+from dedup import sha256_hex
 from etl.errors import ConfigError, Refusal, SchemaInvalid, SemanticInvalid, Truncated
 from etl.llm.base import LLMRequest, LLMResponse, Message
 from etl.storable import value_problem
@@ -189,7 +190,8 @@ class Stage(ABC):
         messages = [*request.messages, {"role": "assistant", "content": answer},
                     {"role": "user", "content": f"That answer is invalid: {problem}. "
                                                 "Reply again with the corrected JSON object only."}]
-        return LLMRequest(messages=messages, json_schema=request.json_schema, max_tokens=request.max_tokens)
+        key = None if request.key is None else sha256_hex(f"{request.key}:repair:{len(messages)}")
+        return LLMRequest(messages=messages, json_schema=request.json_schema, max_tokens=request.max_tokens, key=key)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

@@ -1,0 +1,156 @@
+"""The batch tier against the OpenAI-wire batch test server (etl.batch_server): the same stored
+results as synchronous calls at the batch price, nothing sent twice across crashes, re-runs free."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from etl import Classify, Extract, Pipeline, label_in, run_pipeline
+from etl.batch_server import BatchServer
+from etl.llm.openai_compat import OpenAICompatibleLLM
+from etl.runtime.wiring import build_runner
+from etl.settings import Settings
+from etl.testing import ListSource
+from tests.helpers import rows
+
+LABELS = ["billing", "technical", "account", "other"]
+PRICES = (2.0, 8.0)  # USD per million tokens, synchronous
+
+
+class Ticket(BaseModel):
+    summary: str
+    amount: float
+
+
+def docs(n: int, duplicates: float = 0.3) -> list[dict[str, str]]:
+    """n documents; a share of them repeat an earlier one's text (the same cache keys)."""
+    unique = max(1, int(n * (1 - duplicates)))
+    return [{"id": f"d{i}", "tenant": "acme", "text": f"ticket {i % unique}: my card was charged {i % unique} times"}
+            for i in range(n)]
+
+
+def pipeline(url: str, server: BatchServer, items: list[dict[str, str]]) -> Pipeline:
+    llm = OpenAICompatibleLLM(server.url, "batch-model", api_key="test", price_per_mtok=PRICES)
+    return Pipeline("backfill", ListSource(items), [
+        Classify(LABELS, "Route the ticket.", name="route"),
+        Extract(Ticket, "Summarise it.", name="ticket", when=label_in("route", "billing", "account")),
+    ], store=url, llm=llm)
+
+
+def settings() -> Settings:
+    return Settings(batch_poll_s=0.05)
+
+
+def stored(url: str) -> list[tuple[Any, ...]]:
+    return rows(url, "SELECT doc_key, stage, output FROM stage_results ORDER BY doc_key, stage")
+
+
+def cost(url: str) -> float:
+    return rows(url, "SELECT coalesce(sum(cost), 0) FROM llm_calls WHERE outcome <> 'cache_hit'")[0][0]
+
+
+async def test_batch_mode_stores_what_synchronous_calls_store_at_the_batch_price(tmp_path: Any) -> None:
+    items = docs(300)
+    sync_url, batch_url = f"sqlite:///{tmp_path / 'sync.db'}", f"sqlite:///{tmp_path / 'batch.db'}"
+    with BatchServer(polls=2) as server:
+        await run_pipeline(pipeline(sync_url, server, items), settings())
+        sync_requests = server.requests
+        server.requests = 0
+        runner = build_runner(pipeline(batch_url, server, items), settings(), batch=True)
+        stats = await runner.run()
+        await runner.llm.aclose()
+        assert stored(batch_url) == stored(sync_url) and len(stored(sync_url)) > 300
+        keys = rows(batch_url, "SELECT count(DISTINCT cache_key) FROM llm_cache")[0][0]
+        assert server.lines_received == keys == sync_requests  # one request per unique key, waves included
+        assert server.requests == server.lines_received
+        billed_in, billed_out = server.billed
+        assert cost(batch_url) == pytest.approx((billed_in * PRICES[0] + billed_out * PRICES[1]) / 2 / 1e6, rel=1e-9)
+        assert cost(batch_url) / cost(sync_url) == pytest.approx(0.5, rel=1e-9)
+        assert len(server.batches) >= 2  # the Extract stage went out in a later wave
+        print(f"\nbatch figures: {stats.messages} docs, {keys} unique keys, {len(server.batches)} batches, "
+              f"cost sync ${cost(sync_url):.6f} batch ${cost(batch_url):.6f}")
+
+        # a re-run after completion sends nothing and writes nothing
+        before = (server.http_requests, rows(batch_url, "SELECT count(*) FROM llm_calls"), stored(batch_url))
+        runner = build_runner(pipeline(batch_url, server, items), settings(), batch=True)
+        await runner.run()
+        await runner.llm.aclose()
+        assert (server.http_requests, rows(batch_url, "SELECT count(*) FROM llm_calls"), stored(batch_url)) == before
+
+
+async def test_a_crashed_batch_run_resumes_its_batches_instead_of_sending_them_again(tmp_path: Any) -> None:
+    items = docs(200)
+    url = f"sqlite:///{tmp_path / 'batch.db'}"
+    with BatchServer(polls=10_000) as server:  # answers only when allowed to
+        for _ in range(3):  # crash while its batches are live, three times
+            runner = build_runner(pipeline(url, server, items), settings(), batch=True)
+            run = asyncio.create_task(runner.run())
+            while server.lines_received == 0 or any(b["status"] == "validating" for b in server.batches.values()):
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.2)
+            run.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await run
+            await runner.llm.aclose()
+        sent = server.lines_received
+        assert sent == rows(url, "SELECT count(*) FROM llm_batch_items")[0][0]
+        server.polls = 0
+        runner = build_runner(pipeline(url, server, items), settings(), batch=True)
+        await runner.run()
+        await runner.llm.aclose()
+        keys = rows(url, "SELECT count(DISTINCT cache_key) FROM llm_cache")[0][0]
+        assert server.lines_received == keys  # nothing sent twice: the first wave once, then the Extract wave
+        assert rows(url, "SELECT count(DISTINCT doc_key) FROM stage_results WHERE stage = 'route'") == [(200,)]
+
+
+async def test_batch_faults_end_as_typed_dead_letters_or_resubmissions(tmp_path: Any) -> None:
+    items = [{"id": "ok", "tenant": "acme", "text": "fine"}, {"id": "flaky", "tenant": "acme", "text": "x [fault:500x1]"},
+             {"id": "broken", "tenant": "acme", "text": "y [fault:500x99]"}]
+    url = f"sqlite:///{tmp_path / 'batch.db'}"
+    with BatchServer(polls=0) as server:
+        server.duplicate_lines = server.unknown_lines = True
+        runner = build_runner(pipeline(url, server, items), Settings(batch_poll_s=0.02, llm_max_attempts=3,
+                                                                   llm_max_retry_s=30), batch=True)
+        await runner.run()
+        await runner.llm.aclose()
+        assert {k for (k,) in rows(url, "SELECT doc_key FROM stage_results WHERE stage = 'route'")} == {"ok", "flaky"}
+        assert rows(url, "SELECT doc_key, reason FROM dead_letters") == [("broken", "provider_error")]
+        assert runner.llm.stats["ignored"] > 0  # the repeated and unknown lines were ignored
+
+
+async def test_batch_status_lists_live_batches_and_cancel_stops_them(tmp_path: Any) -> None:
+    from typer.testing import CliRunner
+
+    from etl.cli import app
+
+    items = docs(20, duplicates=0)
+    url = f"sqlite:///{tmp_path / 'batch.db'}"
+    with BatchServer(polls=10_000) as server:
+        runner = build_runner(pipeline(url, server, items), settings(), batch=True)
+        run = asyncio.create_task(runner.run())
+        while not server.batches:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+        await runner.llm.aclose()
+        shown = CliRunner().invoke(app, ["batch", "status", "--db", url])
+        (provider_id,) = list(server.batches)
+        assert shown.exit_code == 0 and provider_id in shown.output and "submitted" in shown.output, shown.output
+        canceller = build_runner(pipeline(url, server, items), settings(), batch=True)
+        assert await canceller.llm.cancel_live() == [provider_id]  # type: ignore[attr-defined]
+        await canceller.llm.aclose()
+        assert server.batches[provider_id]["status"] == "cancelled"
+        # the next run sees the cancellation and sends the unanswered requests again
+        server.polls = 0
+        runner = build_runner(pipeline(url, server, items), settings(), batch=True)
+        await runner.run()
+        await runner.llm.aclose()
+        assert rows(url, "SELECT count(*) FROM stage_results WHERE stage = 'route'") == [(20,)]
+        assert "no live batches" in CliRunner().invoke(app, ["batch", "status", "--db", url]).output
