@@ -21,7 +21,7 @@ class ReviewSampling:
         first_labels: The first result with each label a tenant gets is sampled.
         store_text: Keep the document's text with each sampled item (``review_queue.content``)
             for reviewers and, promoted, the golden set; False keeps only key and output, for
-            tenants whose text must not be copied out of their own systems.
+            pipelines whose text must not be copied out of the tenants' own systems.
     """
 
     rate: float = 0.01

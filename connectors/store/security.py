@@ -117,9 +117,13 @@ def check_login(conn: Connection, role: str) -> None:
     (whose grants only a ``SET ROLE etl_analyst`` would read)."""
     if role == ANALYST_ROLE:
         raise AccessRefused(f"grant tenants to analysts' logins, not to the group role {ANALYST_ROLE}")
-    if conn.execute(text("SELECT 1 FROM pg_roles WHERE rolname = :r"), {"r": role}).first() is None:
+    can_login = conn.execute(text("SELECT rolcanlogin FROM pg_roles WHERE rolname = :r"), {"r": role}).scalar()
+    if can_login is None:
         raise AccessRefused(f"role {role!r} does not exist: create it first "
                           f"(CREATE ROLE \"{role}\" LOGIN PASSWORD '...' IN ROLE {ANALYST_ROLE};)")
+    if not can_login:
+        raise AccessRefused(f"role {role!r} cannot log in: grant tenants to logins (policies check the "
+                            "current role, so a group's grants would count only after SET ROLE)")
 
 
 def is_analyst(conn: Connection, role: str) -> bool:

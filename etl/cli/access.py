@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from sqlalchemy import Engine, delete, select, text
+from sqlalchemy.engine import make_url
 
 from etl.cli.support import DbOption, fail, out, safe_url, store_engine, table_of
+from etl.settings import Settings
 
 analyst_app = typer.Typer(no_args_is_help=True, help="Analysts' read access per tenant (PostgreSQL).")
 tenant_app = typer.Typer(no_args_is_help=True, help="Tenants' data.")
@@ -17,11 +20,13 @@ TenantArg = Annotated[str, typer.Argument(help="The tenant.")]
 
 
 def _postgres(db: str | None) -> tuple[Engine, str]:
-    engine, url = store_engine(db)
-    if engine.dialect.name != "postgresql":
+    from etl.runtime.wiring import database_url  # noqa: PLC0415
+
+    url = db or database_url(None, Settings())
+    if make_url(url).get_backend_name() != "postgresql":
         fail(f"{safe_url(url)} is not PostgreSQL: analyst logins and grants need it (a SQLite file's readers read "
              "all of it)")
-    return engine, url
+    return store_engine(url)
 
 
 @analyst_app.command("init")
@@ -51,15 +56,22 @@ def analyst_grant(role: RoleArg, tenant: TenantArg, db: DbOption = None) -> None
     from connectors.store.security import ANALYST_ROLE, AccessRefused, check_login, is_analyst  # noqa: PLC0415
     from connectors.store.tables import analyst_grants as g  # noqa: PLC0415
     from connectors.store.write import upsert  # noqa: PLC0415
+    from etl.runtime.decode import MAX_TENANT  # noqa: PLC0415
+    from etl.storable import text_problem  # noqa: PLC0415
 
+    problem = text_problem(tenant) or (f"is longer than {MAX_TENANT} characters" if len(tenant) > MAX_TENANT else None)
+    if problem:
+        fail(f"the tenant {problem}")
     engine, _ = _postgres(db)
-    with engine.begin() as conn:
-        try:
+    try:
+        with engine.begin() as conn:
             check_login(conn, role)
-        except AccessRefused as exc:
-            fail(str(exc))
-        upsert(conn, g, [{"role": role, "tenant": tenant}], ("role", "tenant"), None)
-        member = is_analyst(conn, role)
+            upsert(conn, g, [{"role": role, "tenant": tenant}], ("role", "tenant"), None)
+            member = is_analyst(conn, role)
+    except AccessRefused as exc:
+        fail(str(exc))
+    except Exception as exc:  # noqa: BLE001 - one line for the user
+        fail(f"cannot grant: {type(exc).__name__}: {str(exc).splitlines()[0]}; run it as the tables' owner")
     out.print(f"{role} may read {tenant}")
     if not member:
         out.print(f"[yellow]{role} is not in {ANALYST_ROLE} and cannot read any table yet: "
@@ -102,9 +114,15 @@ def tenant_purge(tenant: TenantArg,
     """Delete every row of TENANT in one transaction: documents, results, typed rows, cache, calls,
     dead letters with their payloads, review items, golden examples, evals, alerts, grants. Stop
     the tenant's pipelines first: what they write after the purge stays."""
+    from connectors.store import make_engine  # noqa: PLC0415
     from connectors.store.purge import purge_tenant, untenanted_letters  # noqa: PLC0415
+    from etl.runtime.wiring import database_url  # noqa: PLC0415
 
-    engine, url = store_engine(db)
+    url = db or database_url(None, Settings())
+    location = make_url(url)
+    if location.get_backend_name() == "sqlite" and not Path(location.database or "").is_file():
+        fail(f"no store at {safe_url(url)}: nothing to purge (check --db or ETL_DATABASE_URL)")
+    engine = make_engine(url)  # not migrated: counting and deleting change no schema
     try:
         counts = purge_tenant(engine, tenant, dry_run=True)
         untenanted = untenanted_letters(engine)

@@ -66,7 +66,7 @@ def _golden_line(line: str, default_tenant: str) -> dict[str, Any]:
         raise ValueError(f"not JSON ({exc.msg})") from None
     if not isinstance(row, dict):
         raise ValueError("not a JSON object")
-    key, content, tenant = row.get("id"), row.get("text"), row.get("tenant", default_tenant)
+    key, content, tenant = row.get("id"), row.get("text"), row.get("tenant") or default_tenant
     if isinstance(key, bool) or not isinstance(key, (str, int)) or key == "":
         raise ValueError("needs an id (a string or an integer)")
     key = str(key)

@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import Engine, select, update
 
 from connectors.store.tables import review_queue as q
+from connectors.store.write import chunks
 from etl.errors import ConfigError
 from etl.quality.golden import store_golden
 from etl.storable import INT64, text_problem, value_problem
@@ -54,8 +55,10 @@ def read_verdicts(engine: Engine, path: Path) -> list[Verdict]:
         elif row.get("verdict") is not None:
             lines.append((number, row))
     ids = sorted({row["id"] for _, row in lines})
+    stored: dict[int, dict[str, Any]] = {}
     with engine.connect() as conn:
-        stored = {r["id"]: dict(r) for r in conn.execute(select(q).where(q.c.id.in_(ids))).mappings()} if ids else {}
+        for chunk in chunks(ids):
+            stored.update({r["id"]: dict(r) for r in conn.execute(select(q).where(q.c.id.in_(chunk))).mappings()})
     verdicts: list[Verdict] = []
     seen: dict[int, int] = {}
     for number, row in lines:

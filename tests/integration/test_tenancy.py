@@ -229,9 +229,26 @@ def test_grants_refuse_what_nobody_could_use(postgres_url: str) -> None:
     assert "not to the group role" in cli("analyst", "grant", security.ANALYST_ROLE, "acme", "--db", postgres_url).output
 
 
-def test_analyst_commands_need_postgres(sqlite_url: str) -> None:
+def test_analyst_commands_need_postgres(sqlite_url: str, tmp_path: Path) -> None:
     result = cli("analyst", "list", "--db", sqlite_url)
     assert result.exit_code == 1 and "is not PostgreSQL" in result.output
+    assert not (tmp_path / "etl.db").exists()  # refused before a store was made
+    missing = cli("tenant", "purge", "globex", "--dry-run", "--db", sqlite_url)
+    assert missing.exit_code == 1 and "no store at" in missing.output and not (tmp_path / "etl.db").exists()
+
+
+def test_grants_refuse_unstorable_tenants_and_group_roles(postgres_url: str) -> None:
+    result = cli("analyst", "grant", "etl", "a\x00b", "--db", postgres_url)
+    assert result.exit_code == 1 and "NUL" in result.output and "Traceback" not in result.output
+    group = f"group_{uuid.uuid4().hex[:8]}"
+    with make_engine(postgres_url).begin() as conn:
+        conn.execute(text(f"CREATE ROLE {group} NOLOGIN"))
+    try:
+        result = cli("analyst", "grant", group, "acme", "--db", postgres_url)
+        assert result.exit_code == 1 and "cannot log in" in result.output
+    finally:
+        with make_engine(postgres_url).begin() as conn:
+            conn.execute(text(f"DROP ROLE {group}"))
 
 
 async def test_migrations_need_no_createrole(postgres_url: str, monkeypatch: pytest.MonkeyPatch) -> None:

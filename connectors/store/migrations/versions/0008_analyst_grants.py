@@ -32,6 +32,9 @@ def upgrade() -> None:
     conn = op.get_bind()
     if conn.dialect.name != "postgresql":
         return  # SQLite has no logins: the file's readers read all of it
+    # Each policy change locks its table: behind an analyst's long query, give up (and retry)
+    # rather than queue every writer behind the migration.
+    op.execute("SET LOCAL lock_timeout = '10s'")
     op.create_table(GRANTS_TABLE,
                     sa.Column("role", sa.String(length=200), nullable=False),
                     sa.Column("tenant", sa.String(length=200), nullable=False),
