@@ -30,7 +30,7 @@ from openai import AsyncOpenAI
 
 from connectors.store.batches import ANSWERED, BatchLedger, BatchRecord
 from dedup import canonical_json, sha256_hex
-from etl.errors import LLMError, TransientLLMError
+from etl.errors import ContextOverflow, LLMError, TransientLLMError
 from etl.llm.base import LLM, LLMRequest, LLMResponse
 from etl.llm.openai_compat import OpenAICompatibleLLM
 
@@ -38,16 +38,18 @@ log = structlog.get_logger()
 ENDPOINT = "/v1/chat/completions"
 #: The metadata key that carries our batch id to the provider.
 META = "idem_batch"
+#: Largest input file per batch (OpenAI allows 200 MB).
+MAX_FILE_BYTES = 190_000_000
 
 
-class BatchLineFailed(TransientLLMError):
-    """A batch returned an error (or nothing) for this request: retried in a later batch."""
+class BatchLineFailed(LLMError):
+    """Batches returned an error (or nothing) for this request as often as it may be sent."""
 
     reason = "provider_error"
 
 
-class BatchExpired(TransientLLMError):
-    """The batch ended (expired or cancelled) before answering this request."""
+class BatchExpired(LLMError):
+    """Batches ended (expired or cancelled) before answering this request, as often as it may be sent."""
 
     reason = "batch_expired"
 
@@ -63,17 +65,22 @@ class BatchLLM(LLM):
         gather_s: A batch goes out once no request has arrived for this long.
         poll_s: How often live batches are checked.
         max_lines: Most requests per batch (OpenAI: 50,000).
+        sends: How often one request may go out (an errored, expired or cancelled line goes into a
+            later batch, however long the batches took); then it fails with its typed reason.
     """
 
     def __init__(self, inner: OpenAICompatibleLLM, ledger: BatchLedger, *, discount: float = 0.5,
                  price_per_mtok: tuple[float, float] | None = None, gather_s: float = 0.5, poll_s: float = 5.0,
-                 max_lines: int = 50_000) -> None:
+                 max_lines: int = 50_000, sends: int = 4) -> None:
         self.inner = inner
         self.ledger = ledger
         self.model_id = inner.model_id
         self.params = inner.params
         self.price_per_mtok = price_per_mtok or (inner.price_per_mtok[0] * discount, inner.price_per_mtok[1] * discount)
-        self.gather_s, self.poll_s, self.max_lines = gather_s, poll_s, max_lines
+        self.gather_s, self.poll_s, self.max_lines, self.sends = gather_s, poll_s, max_lines, sends
+        self._bodies: dict[str, dict[str, Any]] = {}  # custom_id -> request body, while awaited
+        self._sent: dict[str, int] = {}  # custom_id -> batches it went out in (this process)
+        self._files: dict[str, dict[str, dict[str, Any]]] = {}  # file id -> its lines by custom_id
         self.client = AsyncOpenAI(base_url=inner.base_url, api_key=inner.api_key.get_secret_value() or "none",
                                   max_retries=5)
         self._waiting: dict[str, list[asyncio.Future[LLMResponse]]] = {}
@@ -94,7 +101,7 @@ class BatchLLM(LLM):
         first = custom_id not in self._waiting
         self._waiting.setdefault(custom_id, []).append(future)
         if first:
-            self._queued[custom_id] = body
+            self._queued[custom_id] = self._bodies[custom_id] = body
             self._unchecked.add(custom_id)
             self._last_request = time.monotonic()
         if self._loop is None or self._loop.done():
@@ -104,22 +111,41 @@ class BatchLLM(LLM):
     # -- the loop: resume, submit, poll --------------------------------------------------------
 
     async def _run(self) -> None:
-        try:
-            if not self._started:
-                await self._resume()
-                self._started = True
-            while self._waiting:
+        failures = 0
+        while self._forget_cancelled():
+            try:
+                if not self._started:
+                    await self._resume()
+                    self._started = True
                 await self._place()
                 await self._poll()
-                await asyncio.sleep(min(self.poll_s, self.gather_s) if self._queued else self.poll_s)
-        except Exception as exc:  # noqa: BLE001 - every waiter learns it, nobody hangs
-            for futures in self._waiting.values():
-                for future in futures:
-                    if not future.done():
-                        future.set_exception(exc if isinstance(exc, LLMError) else TransientLLMError(
-                            f"batch backend failed: {type(exc).__name__}: {exc}"))
-            self._waiting.clear()
-            self._queued.clear()
+                failures = 0
+            except Exception as exc:  # noqa: BLE001 - the provider or the store failed this round
+                failures += 1
+                self._started = False  # a batch may be half recorded: resume reconciles it
+                log.warning("batch_round_failed", failures=failures, error=f"{type(exc).__name__}: {exc}"[:300])
+                if failures >= 10:  # ten rounds in a row: give up, every waiter learns it
+                    self._fail_all(TransientLLMError(f"batch backend failed: {type(exc).__name__}: {exc}"))
+                    return
+            await asyncio.sleep(min(self.poll_s, self.gather_s) if self._queued else self.poll_s)
+
+    def _forget_cancelled(self) -> bool:
+        """Drops requests nobody waits for any more (their documents were cancelled); whether any
+        request is still awaited."""
+        for custom_id in [c for c, futures in self._waiting.items() if all(f.done() for f in futures)]:
+            del self._waiting[custom_id]
+            self._queued.pop(custom_id, None)
+            self._bodies.pop(custom_id, None)
+        return bool(self._waiting)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for futures in self._waiting.values():
+            for future in futures:
+                if not future.done():
+                    future.set_exception(exc)
+        self._waiting.clear()
+        self._queued.clear()
+        self._bodies.clear()
 
     async def _resume(self) -> None:
         """Live batches of an earlier process: found again at the provider, or abandoned."""
@@ -149,22 +175,31 @@ class BatchLLM(LLM):
         new batches once the queue has been quiet for ``gather_s``."""
         if not self._queued:
             return
-        unchecked, self._unchecked = self._unchecked, set()
+        unchecked = set(self._unchecked)
         holders = await asyncio.to_thread(self.ledger.batches_of, unchecked) if unchecked else {}
+        self._unchecked -= unchecked
+        answered: dict[str, tuple[BatchRecord, set[str]]] = {}
         for custom_id, batch in holders.items():
-            if custom_id not in self._queued:
-                continue
-            if batch.status in ANSWERED:  # finished (before a crash, or an errored line): its answer?
-                if not await self._settle_from(batch, {custom_id}, final=False):
-                    del self._queued[custom_id]  # answered; else it goes out again
+            if custom_id not in self._queued or self._sent.get(custom_id):
+                continue  # this process sent it since: that batch answers it
+            if batch.status in ANSWERED:  # finished before a crash: its answer was never committed
+                answered.setdefault(batch.id, (batch, set()))[1].add(custom_id)
             elif batch.provider_id is not None:  # live: its answer is coming
                 del self._queued[custom_id]
                 self._holds[custom_id] = batch.id
                 self._live.setdefault(batch.id, batch)
             # else recorded by another process that is creating it right now: not ours to wait on
-        if self._queued and (time.monotonic() - self._last_request >= self.gather_s
-                             or len(self._queued) >= self.max_lines):
-            items = list(self._queued.items())[: self.max_lines]
+        for batch, ids in answered.values():  # each finished batch's files read once
+            for custom_id in ids - await self._settle_from(batch, ids, final=False):
+                self._queued.pop(custom_id, None)  # answered; the others go out again
+        ready = [c for c in self._queued if c not in self._unchecked]
+        if ready and (time.monotonic() - self._last_request >= self.gather_s or len(ready) >= self.max_lines):
+            items, size = [], 0
+            for custom_id in ready[: self.max_lines]:  # and under the provider's input file limit
+                size += len(json.dumps(self._queued[custom_id])) + 150
+                if items and size > MAX_FILE_BYTES:
+                    break
+                items.append((custom_id, self._queued[custom_id]))
             for custom_id, _ in items:
                 del self._queued[custom_id]
             await self._submit(items)
@@ -177,8 +212,10 @@ class BatchLLM(LLM):
                        for c, b in items).encode()
         try:
             upload = await self.client.files.create(file=("batch.jsonl", io.BytesIO(data)), purpose="batch")
-            created = await self.client.batches.create(input_file_id=upload.id, endpoint=ENDPOINT,
-                                                       completion_window="24h", metadata={META: batch_id})
+            # No retries of the create by the client: a retried create the provider had made would
+            # be a second batch. A failed one is looked up by its metadata instead.
+            created = await self.client.with_options(max_retries=0).batches.create(
+                input_file_id=upload.id, endpoint=ENDPOINT, completion_window="24h", metadata={META: batch_id})
             provider_id: str | None = created.id
         except Exception as exc:  # noqa: BLE001 - was it created anyway? Ask, then decide
             provider_id = (await self._created()).get(batch_id)
@@ -195,6 +232,7 @@ class BatchLLM(LLM):
         self._live[batch_id] = BatchRecord(batch_id, provider_id, "submitted", len(ids))
         for custom_id in ids:
             self._holds[custom_id] = batch_id
+            self._sent[custom_id] = self._sent.get(custom_id, 0) + 1
         self.stats["batches"] += 1
         self.stats["lines"] += len(ids)
         log.info("batch_submitted", batch=batch_id, provider_id=provider_id, lines=len(ids))
@@ -222,22 +260,12 @@ class BatchLLM(LLM):
         answer fail too when ``final`` (else they are returned, to be sent again)."""
         answers: dict[str, dict[str, Any]] = {}
         for file_id in (batch.output_file_id, batch.error_file_id):
-            if not file_id:
-                continue
-            content = await self.client.files.content(file_id)
-            for line in content.text.splitlines():
-                try:
-                    record = json.loads(line)
-                    custom_id = record["custom_id"]
-                except (ValueError, KeyError, TypeError):
-                    log.warning("batch_line_unreadable", batch=batch.id, line=line[:200])
-                    continue
-                if custom_id in answers or custom_id not in wanted:
-                    self.stats["ignored"] += 1
-                    log.warning("batch_line_ignored", batch=batch.id, custom_id=str(custom_id)[:80],
-                                why="repeated" if custom_id in answers else "not asked")
-                    continue
-                answers[custom_id] = record
+            if file_id:
+                answers.update({c: r for c, r in (await self._lines(batch, file_id)).items() if c not in answers})
+        unknown = [c for c in answers if c not in wanted and c not in self._bodies]
+        if unknown:
+            self.stats["ignored"] += len(unknown)
+            log.warning("batch_lines_ignored", batch=batch.id, unknown=len(unknown), example=str(unknown[0])[:80])
         unanswered = set()
         for custom_id in wanted:
             record = answers.get(custom_id)
@@ -248,19 +276,48 @@ class BatchLLM(LLM):
                 except LLMError as exc:
                     self._answer(custom_id, error=exc)
                 continue
-            if not final:
+            status, body = response.get("status_code"), response.get("body")
+            if isinstance(status, int) and 400 <= status < 500 and status not in (408, 409, 429):
+                text = json.dumps(body)[:300]  # the request itself was refused: sending it again cannot help
+                self._answer(custom_id, error=ContextOverflow(f"prompt too long: {text}") if "context" in text.lower()
+                             else LLMError(f"provider refused the request ({status}): {text}"))
+                continue
+            if not final or self._sent.get(custom_id, 0) < self.sends and custom_id in self._bodies:
                 unanswered.add(custom_id)
+                if final:  # into a later batch, however long this one took
+                    self._queued[custom_id] = self._bodies[custom_id]
                 continue
             error = (record or {}).get("error") or {}
             if batch.status in ("expired", "cancelled") or error.get("code") in ("batch_expired", "batch_cancelled"):
                 self._answer(custom_id, error=BatchExpired(f"batch {batch.id} ended ({batch.status}) before answering"))
             else:
-                status = response.get("status_code")
                 self._answer(custom_id, error=BatchLineFailed(
                     f"batch {batch.id} ({batch.status}) returned {status or error.get('code') or 'no result'}"))
         return unanswered
 
+    async def _lines(self, batch: BatchRecord, file_id: str) -> dict[str, dict[str, Any]]:
+        """A result file's lines by custom_id, downloaded once (the first of a repeated id counts)."""
+        if file_id not in self._files:
+            content = await self.client.files.content(file_id)
+            lines: dict[str, dict[str, Any]] = {}
+            for line in content.text.splitlines():
+                try:
+                    record = json.loads(line)
+                    custom_id = record["custom_id"]
+                except (ValueError, KeyError, TypeError):
+                    log.warning("batch_line_unreadable", batch=batch.id, line=line[:200])
+                    continue
+                if custom_id in lines:
+                    self.stats["ignored"] += 1
+                    log.warning("batch_line_repeated", batch=batch.id, custom_id=str(custom_id)[:80])
+                    continue
+                lines[custom_id] = record
+            self._files[file_id] = lines
+        return self._files[file_id]
+
     def _answer(self, custom_id: str, answer: LLMResponse | None = None, error: Exception | None = None) -> None:
+        self._bodies.pop(custom_id, None)
+        self._queued.pop(custom_id, None)
         for future in self._waiting.pop(custom_id, []):
             if future.done():
                 continue

@@ -72,7 +72,7 @@ def _batching(pipeline: Pipeline, llm: LLM, store: SqlStore, settings: Settings)
     if isinstance(pipeline.source, KafkaSource):
         raise ConfigError("--batch reads files for now: a Kafka topic up to its end offsets is not supported yet")
     return BatchLLM(llm, BatchLedger(store.engine, pipeline.name, llm.base_url), discount=settings.batch_discount,
-                    poll_s=settings.batch_poll_s)
+                    poll_s=settings.batch_poll_s, sends=settings.llm_max_attempts)
 
 
 def replay_source(pipeline: Pipeline, since: datetime | None) -> KafkaSource:

@@ -112,15 +112,33 @@ async def test_batch_faults_end_as_typed_dead_letters_or_resubmissions(tmp_path:
     items = [{"id": "ok", "tenant": "acme", "text": "fine"}, {"id": "flaky", "tenant": "acme", "text": "x [fault:500x1]"},
              {"id": "broken", "tenant": "acme", "text": "y [fault:500x99]"}]
     url = f"sqlite:///{tmp_path / 'batch.db'}"
-    with BatchServer(polls=0) as server:
+    with BatchServer(polls=3) as server:
         server.duplicate_lines = server.unknown_lines = True
-        runner = build_runner(pipeline(url, server, items), Settings(batch_poll_s=0.02, llm_max_attempts=3,
-                                                                   llm_max_retry_s=30), batch=True)
+        # Resent by the batch tier itself, however long batches take (longer than llm_max_retry_s here)
+        runner = build_runner(pipeline(url, server, items), Settings(batch_poll_s=0.05, llm_max_attempts=3,
+                                                                   llm_max_retry_s=0.01), batch=True)
         await runner.run()
         await runner.llm.aclose()
         assert {k for (k,) in rows(url, "SELECT doc_key FROM stage_results WHERE stage = 'route'")} == {"ok", "flaky"}
         assert rows(url, "SELECT doc_key, reason FROM dead_letters") == [("broken", "provider_error")]
+        # broken went out as often as allowed (3), flaky twice for its first stage; every line counted once
+        assert max(server.attempts.values()) == 3 and sum(server.attempts.values()) == server.lines_received
         assert runner.llm.stats["ignored"] > 0  # the repeated and unknown lines were ignored
+        billed_in, billed_out = server.billed  # the repeated line added no cost
+        assert cost(url) == pytest.approx((billed_in * PRICES[0] + billed_out * PRICES[1]) / 2 / 1e6, rel=1e-9)
+
+
+async def test_an_expired_batch_is_sent_again_and_a_refused_line_is_not(tmp_path: Any) -> None:
+    items = [{"id": "a", "tenant": "acme", "text": "one"}, {"id": "b", "tenant": "acme", "text": "two [fault:context]"}]
+    url = f"sqlite:///{tmp_path / 'batch.db'}"
+    with BatchServer(polls=1) as server:
+        server.expire_next = 1
+        runner = build_runner(pipeline(url, server, items), Settings(batch_poll_s=0.05), batch=True)
+        await runner.run()
+        await runner.llm.aclose()
+        assert [s["status"] for s in server.batches.values()][:2] == ["expired", "completed"]
+        assert rows(url, "SELECT doc_key FROM stage_results WHERE stage = 'route'") == [("a",)]
+        assert rows(url, "SELECT doc_key, reason FROM dead_letters") == [("b", "context_overflow")]
 
 
 async def test_batch_status_lists_live_batches_and_cancel_stops_them(tmp_path: Any) -> None:
