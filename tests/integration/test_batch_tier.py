@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import pytest
@@ -172,3 +173,118 @@ async def test_batch_status_lists_live_batches_and_cancel_stops_them(tmp_path: A
         await runner.llm.aclose()
         assert rows(url, "SELECT count(*) FROM stage_results WHERE stage = 'route'") == [(20,)]
         assert "no live batches" in CliRunner().invoke(app, ["batch", "status", "--db", url]).output
+
+
+PIPELINE_FILE = '''
+import os
+from pydantic import BaseModel
+from etl import Classify, Extract, Pipeline, label_in
+from etl.llm.openai_compat import OpenAICompatibleLLM
+
+
+class Ticket(BaseModel):
+    summary: str
+    amount: float
+
+
+pipeline = Pipeline("backfill", os.environ["DOCS"], [
+    Classify({labels!r}, "Route the ticket.", name="route"),
+    Extract(Ticket, "Summarise it.", name="ticket", when=label_in("route", "billing", "account")),
+], store=os.environ["STORE"], llm=OpenAICompatibleLLM(os.environ["BATCH_URL"], "batch-model", api_key="test",
+                                                      price_per_mtok={prices!r}))
+'''
+
+
+def test_killed_at_random_moments_a_batch_run_sends_each_request_once(tmp_path: Any) -> None:
+    """SIGKILL of `etl run --batch` at random moments (uploading, between record and create,
+    polling, downloading, committing), then a run to the end: every document has its results,
+    the server received each unique request once, and the recorded cost is what it billed."""
+    import os
+    import random
+    import signal
+    import subprocess
+    import sys
+
+    items = docs(600)
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps(d) + "\n" for d in items))
+    (tmp_path / "backfill.py").write_text(PIPELINE_FILE.format(labels=LABELS, prices=PRICES))
+    url = f"sqlite:///{tmp_path / 'batch.db'}"
+    rng = random.Random(11)
+    with BatchServer(polls=2) as server:
+        env = {**os.environ, "DOCS": str(source), "STORE": url, "BATCH_URL": server.url, "ETL_BATCH_POLL_S": "0.05"}
+        command = [sys.executable, "-m", "etl.cli", "run", str(tmp_path / "backfill.py"), "--batch"]
+        kills = 0
+        for _ in range(12):
+            worker = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(rng.uniform(1.0, 5.0))  # start-up takes ~1.5 s: some die before sending anything
+            if worker.poll() is None:
+                worker.send_signal(signal.SIGKILL)
+                kills += 1
+            worker.wait()
+        assert kills >= 8
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        keys = rows(url, "SELECT count(DISTINCT cache_key) FROM llm_cache")[0][0]
+        print(f"\nbatch kill figures: {kills} kills, {len(server.batches)} batches, lines {server.lines_received}, "
+              f"unique keys {keys}")
+        assert rows(url, "SELECT count(DISTINCT doc_key) FROM stage_results WHERE stage = 'route'") == [(600,)]
+        assert rows(url, "SELECT count(*) FROM dead_letters") == [(0,)]
+        assert server.lines_received == keys  # nothing was sent twice, whatever the kills interrupted
+        billed_in, billed_out = server.billed
+        assert cost(url) == pytest.approx((billed_in * PRICES[0] + billed_out * PRICES[1]) / 2 / 1e6, rel=1e-9)
+
+
+async def test_a_batch_recorded_but_never_created_is_abandoned_and_one_created_but_unrecorded_is_adopted(
+        tmp_path: Any) -> None:
+    """The two crashes around the create: after recording, before the provider made it (sent
+    again, once); after the provider made it, before its id was recorded (found by metadata)."""
+    from openai import OpenAI
+
+    from connectors.store import make_engine, upgrade
+    from connectors.store.batches import BatchLedger
+    from etl.llm.batch import ENDPOINT, META
+
+    items = docs(40, duplicates=0)
+    url = f"sqlite:///{tmp_path / 'batch.db'}"
+    with BatchServer(polls=0) as server:
+        probe = build_runner(pipeline(url, server, items), settings(), batch=True)
+        upgrade(make_engine(url))
+        keys = probe.executor.keys  # the stage-1 cache key of each document, as the run computes them
+        plans = probe.executor.plans_for("acme")
+        from dedup import content_hash
+        from schemas import Document, Position
+
+        def key_of(item: dict[str, str]) -> str:
+            doc = Document(tenant="acme", key=item["id"], content=item["text"], content_hash=content_hash(item["text"]),
+                           position=Position(stream="list", offset=0))
+            return keys(doc)[0]
+
+        first, second = [key_of(i) for i in items[:20]], [key_of(i) for i in items[20:]]
+        await probe.llm.aclose()
+        assert plans and len(set(first + second)) == 40
+        ledger = BatchLedger(make_engine(url), "backfill", server.url)
+        never = ledger.new_id()
+        ledger.record(never, first)  # the process died before the provider heard of it
+        adopted = ledger.new_id()
+        ledger.record(adopted, second)
+        client = OpenAI(base_url=server.url, api_key="test", max_retries=0)
+        # (any body: what matters is which custom_ids go out again; an answer to it is repaired)
+        body = lambda c: {"model": "batch-model", "messages": [{"role": "user", "content": "x"}]}  # noqa: E731
+        upload = client.files.create(file=("in.jsonl", "".join(
+            json.dumps({"custom_id": c, "method": "POST", "url": ENDPOINT, "body": body(c)}) + "\n" for c in second
+        ).encode()), purpose="batch")
+        client.batches.create(input_file_id=upload.id, endpoint=ENDPOINT, completion_window="24h",
+                              metadata={META: adopted})  # made, and then the process died
+        received_before = server.lines_received
+        runner = build_runner(pipeline(url, server, items), settings(), batch=True)
+        await runner.run()
+        await runner.llm.aclose()
+        status = dict(rows(url, "SELECT id, status FROM llm_batches"))
+        assert status[never] == "abandoned" and status[adopted] == "completed"
+        held = rows(url, "SELECT custom_id, batch_id FROM llm_batch_items")
+        batches_of = {c: sorted(b for k, b in held if k == c) for c in first + second}
+        assert all(batches_of[c] == [adopted] for c in second)  # adopted: not sent again
+        assert all(len(batches_of[c]) == 2 and batches_of[c][0] == never for c in first)  # sent again, once
+        assert server.lines_received > received_before
+        assert rows(url, "SELECT count(DISTINCT doc_key) FROM stage_results WHERE stage = 'route'") == [(40,)]
