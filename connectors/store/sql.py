@@ -374,7 +374,8 @@ class SqlStore(Store, Claims):
             others = [key for key in keys if key in waiting and key not in claimed]
             failed = dict(conn.execute(select(c.cache_key, c.failure).where(
                 c.cache_key.in_(others), c.failure.is_not(None))).all()) if others else {}
-        return {key: MINE if key in claimed - late else failed.get(key, HELD) for key in keys}
+        mine = claimed - late  # once: a set difference per key made a claim of n keys cost n²
+        return {key: MINE if key in mine else failed.get(key, HELD) for key in keys}
 
     def renew_claims(self, keys: Sequence[str], owner: str, lease_s: float) -> set[str]:
         """Extends ``owner``'s claims on ``keys`` by ``lease_s`` from now (the database's clock);
