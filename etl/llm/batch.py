@@ -205,6 +205,19 @@ class BatchLLM(LLM):
             await self._submit(items)
 
     async def _submit(self, items: list[tuple[str, dict[str, Any]]]) -> None:
+        try:
+            await self._send(items)
+        except BaseException:
+            # Whatever failed (the store, the provider, a lookup), the requests stay queued and the
+            # ledger is asked about them again first (after the next round's resume): a batch that
+            # was made after all is waited on, not sent twice.
+            for custom_id, body in items:
+                if custom_id in self._waiting:
+                    self._queued.setdefault(custom_id, body)
+                    self._unchecked.add(custom_id)
+            raise
+
+    async def _send(self, items: list[tuple[str, dict[str, Any]]]) -> None:
         batch_id = self.ledger.new_id()
         ids = [custom_id for custom_id, _ in items]
         await asyncio.to_thread(self.ledger.record, batch_id, ids)  # before the provider hears of it

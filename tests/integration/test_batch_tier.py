@@ -288,3 +288,28 @@ async def test_a_batch_recorded_but_never_created_is_abandoned_and_one_created_b
         assert all(len(batches_of[c]) == 2 and batches_of[c][0] == never for c in first)  # sent again, once
         assert server.lines_received > received_before
         assert rows(url, "SELECT count(DISTINCT doc_key) FROM stage_results WHERE stage = 'route'") == [(40,)]
+
+
+async def test_a_store_failure_after_the_create_neither_loses_nor_resends_requests(tmp_path: Any) -> None:
+    """The provider made the batch, then recording its id failed: the next round finds it by its
+    metadata and waits for it; nothing is lost, nothing sent twice."""
+    items = docs(50, duplicates=0)
+    url = f"sqlite:///{tmp_path / 'batch.db'}"
+    with BatchServer(polls=1) as server:
+        runner = build_runner(pipeline(url, server, items), settings(), batch=True)
+        ledger = runner.llm.ledger  # type: ignore[attr-defined]
+        real, failed = ledger.submitted, []
+
+        def flaky(batch_id: str, provider_id: str) -> None:
+            if not failed:
+                failed.append(batch_id)
+                raise OSError("the store went away")
+            real(batch_id, provider_id)
+
+        ledger.submitted = flaky
+        await runner.run()
+        await runner.llm.aclose()
+        assert failed and rows(url, f"SELECT status FROM llm_batches WHERE id = '{failed[0]}'") == [("completed",)]
+        keys = rows(url, "SELECT count(DISTINCT cache_key) FROM llm_cache")[0][0]
+        assert server.lines_received == keys
+        assert rows(url, "SELECT count(DISTINCT doc_key) FROM stage_results WHERE stage = 'route'") == [(50,)]
