@@ -12,6 +12,10 @@ results come back the way the provider returns them: in an output file and an er
   ``custom_id`` that was never sent.
 
 It counts everything: every HTTP request, every batch line it received, the tokens it billed.
+``on_request``, if set, is called with the moment a request reached, on the server's thread, so a
+crash test can kill its client exactly there: ``"upload"`` (a file received, before the reply),
+``"create"`` (the batch made, before the reply: the client never learns its id), ``"poll"``,
+``"download"`` (before a result file is sent) and ``"downloaded"`` (after: the client commits next).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import email.policy
 import json
 import random
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
@@ -45,6 +50,11 @@ class BatchServer(FaultServer):
         self._polled: dict[str, int] = {}
         self._random = random.Random(seed)
         self._ids = 0
+        self.on_request: Callable[[str], None] | None = None
+
+    def _moment(self, name: str) -> None:
+        if self.on_request is not None:
+            self.on_request(name)
 
     # -- the wire -------------------------------------------------------------------------------
 
@@ -55,23 +65,29 @@ class BatchServer(FaultServer):
         class Handler(chat):  # type: ignore[misc, valid-type]
             def _reply(self, status: int, payload: Any, raw: bytes | None = None) -> None:
                 data = raw if raw is not None else json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/octet-stream" if raw is not None else "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/octet-stream" if raw is not None else "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client is gone (killed by a crash test, or it gave up)
 
             def do_GET(self) -> None:  # noqa: N802 - http.server's naming
                 server._count()
                 path = self.path.split("?")[0].removeprefix("/v1")
                 if path.startswith("/files/") and path.endswith("/content"):
                     found = server.files.get(path.split("/")[2])
+                    server._moment("download")
                     self._reply(200, None, found[1]) if found else self._reply(404, _error("no such file"))
+                    server._moment("downloaded")
                 elif path == "/batches":
                     data = sorted(server.batches.values(), key=lambda b: -b["created_at"])
                     self._reply(200, {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                                       "last_id": data[-1]["id"] if data else None, "has_more": False})
                 elif path.startswith("/batches/"):
+                    server._moment("poll")
                     batch = server.retrieve(path.split("/")[2])
                     self._reply(200, batch) if batch else self._reply(404, _error("no such batch"))
                 else:
@@ -86,9 +102,12 @@ class BatchServer(FaultServer):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if path == "/files":
                     purpose, content = _multipart(self.headers["Content-Type"], body)
-                    self._reply(200, server.add_file(purpose, content))
+                    uploaded = server.add_file(purpose, content)
+                    server._moment("upload")
+                    self._reply(200, uploaded)
                 elif path == "/batches":
                     status, payload = server.create(json.loads(body))
+                    server._moment("create")
                     self._reply(status, payload)
                 elif path.startswith("/batches/") and path.endswith("/cancel"):
                     batch = server.cancel(path.split("/")[2])

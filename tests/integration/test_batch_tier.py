@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 import pytest
@@ -173,66 +172,6 @@ async def test_batch_status_lists_live_batches_and_cancel_stops_them(tmp_path: A
         await runner.llm.aclose()
         assert rows(url, "SELECT count(*) FROM stage_results WHERE stage = 'route'") == [(20,)]
         assert "no live batches" in CliRunner().invoke(app, ["batch", "status", "--db", url]).output
-
-
-PIPELINE_FILE = '''
-import os
-from pydantic import BaseModel
-from etl import Classify, Extract, Pipeline, label_in
-from etl.llm.openai_compat import OpenAICompatibleLLM
-
-
-class Ticket(BaseModel):
-    summary: str
-    amount: float
-
-
-pipeline = Pipeline("backfill", os.environ["DOCS"], [
-    Classify({labels!r}, "Route the ticket.", name="route"),
-    Extract(Ticket, "Summarise it.", name="ticket", when=label_in("route", "billing", "account")),
-], store=os.environ["STORE"], llm=OpenAICompatibleLLM(os.environ["BATCH_URL"], "batch-model", api_key="test",
-                                                      price_per_mtok={prices!r}))
-'''
-
-
-def test_killed_at_random_moments_a_batch_run_sends_each_request_once(tmp_path: Any) -> None:
-    """SIGKILL of `etl run --batch` at random moments (uploading, between record and create,
-    polling, downloading, committing), then a run to the end: every document has its results,
-    the server received each unique request once, and the recorded cost is what it billed."""
-    import os
-    import random
-    import signal
-    import subprocess
-    import sys
-
-    items = docs(600)
-    source = tmp_path / "docs.jsonl"
-    source.write_text("".join(json.dumps(d) + "\n" for d in items))
-    (tmp_path / "backfill.py").write_text(PIPELINE_FILE.format(labels=LABELS, prices=PRICES))
-    url = f"sqlite:///{tmp_path / 'batch.db'}"
-    rng = random.Random(11)
-    with BatchServer(polls=2) as server:
-        env = {**os.environ, "DOCS": str(source), "STORE": url, "BATCH_URL": server.url, "ETL_BATCH_POLL_S": "0.05"}
-        command = [sys.executable, "-m", "etl.cli", "run", str(tmp_path / "backfill.py"), "--batch"]
-        kills = 0
-        for _ in range(12):
-            worker = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            time.sleep(rng.uniform(1.0, 5.0))  # start-up takes ~1.5 s: some die before sending anything
-            if worker.poll() is None:
-                worker.send_signal(signal.SIGKILL)
-                kills += 1
-            worker.wait()
-        assert kills >= 8
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
-        keys = rows(url, "SELECT count(DISTINCT cache_key) FROM llm_cache")[0][0]
-        print(f"\nbatch kill figures: {kills} kills, {len(server.batches)} batches, lines {server.lines_received}, "
-              f"unique keys {keys}")
-        assert rows(url, "SELECT count(DISTINCT doc_key) FROM stage_results WHERE stage = 'route'") == [(600,)]
-        assert rows(url, "SELECT count(*) FROM dead_letters") == [(0,)]
-        assert server.lines_received == keys  # nothing was sent twice, whatever the kills interrupted
-        billed_in, billed_out = server.billed
-        assert cost(url) == pytest.approx((billed_in * PRICES[0] + billed_out * PRICES[1]) / 2 / 1e6, rel=1e-9)
 
 
 async def test_a_batch_recorded_but_never_created_is_abandoned_and_one_created_but_unrecorded_is_adopted(
