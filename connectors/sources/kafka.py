@@ -61,6 +61,9 @@ class KafkaSource(Source):
         bootstrap: ``host:port``; None takes the ``ETL_KAFKA_BOOTSTRAP`` setting at run time.
         replay_from: ``"start"`` or a datetime: read every partition from there to the end offsets
             seen at start, outside the group (no Kafka commits), then stop. Stored results make it free.
+        until_end: In the group, from the stored positions, read each partition up to the end offset it
+            had when this member was first given it, then stop (``etl run --batch`` sets it: a backfill
+            of what the topic holds now).
         dlq_topic: Where dead letters go (default ``<topic>.dlq``); None keeps them in the table only.
         consumer_config: Extra kafka-python consumer settings (session_timeout_ms, ...).
     """
@@ -69,7 +72,7 @@ class KafkaSource(Source):
 
     def __init__(self, topic: str, *, group: str | None = None, bootstrap: str | None = None,
                  replay_from: Literal["start"] | datetime | None = None, dlq_topic: str | None | Literal[""] = "",
-                 consumer_config: Mapping[str, Any] | None = None) -> None:
+                 consumer_config: Mapping[str, Any] | None = None, until_end: bool = False) -> None:
         if group is None and replay_from is None:
             raise ValueError("KafkaSource needs group= (or replay_from= for a one-off replay)")
         self.topic = topic
@@ -77,6 +80,7 @@ class KafkaSource(Source):
         self.group = group
         self.bootstrap = bootstrap
         self.replay_from = replay_from
+        self.until_end = until_end
         self.dlq_topic = f"{topic}.dlq" if dlq_topic == "" else dlq_topic
         self.consumer_config = dict(consumer_config or {})
         self.consumer: KafkaConsumer | None = None
@@ -89,7 +93,8 @@ class KafkaSource(Source):
         self.connect_timeout_s = 60.0
         #: Largest dead-letter value published whole (below Kafka's default 1 MiB message limits).
         self.dlq_max_bytes = 900_000
-        self._end: dict[TopicPartition, int] | None = None
+        #: The end offsets a replay (or an ``until_end`` member) reads up to.
+        self._end: dict[TopicPartition, int] = {}
 
     def open(self, ledger: PartitionLedger) -> None:
         if not self.bootstrap:
@@ -184,11 +189,20 @@ class KafkaSource(Source):
         return self.consumer is not None and bool(self.consumer.assignment())
 
     def _replayed(self) -> bool:
-        """A replay that has read every partition up to its end offsets (checked before polling, so
-        the last poll does not wait out its timeout for messages that will not come)."""
+        """A replay (or an ``until_end`` member) that has read every partition up to its end offset
+        (checked before polling, so the last poll does not wait out its timeout for messages that
+        will not come)."""
         consumer = self.consumer
         assert consumer is not None
-        return self._end is not None and all(consumer.position(tp) >= end for tp, end in self._end.items())
+        if self.replay_from is not None:
+            return all(consumer.position(tp) >= end for tp, end in self._end.items())
+        if not self.until_end:
+            return False
+        assigned = consumer.assignment()  # a member without partitions yet has not started
+        fresh = [tp for tp in assigned if tp not in self._end]
+        if fresh:  # first seen: read up to where it ends now (a KafkaError here is retried by poll)
+            self._end.update(consumer.end_offsets(fresh))
+        return bool(assigned) and all(consumer.position(tp) >= self._end[tp] for tp in assigned)
 
     def commit(self, positions: Mapping[PartitionKey, int]) -> None:
         if self.group is None or self.replay_from is not None or self.consumer is None or not positions:
@@ -243,7 +257,7 @@ class KafkaSource(Source):
     @property
     def replay_end(self) -> dict[PartitionKey, int] | None:
         """For a replay: the end offsets it reads up to."""
-        return None if self._end is None else {(tp.topic, tp.partition): end for tp, end in self._end.items()}
+        return None if self.replay_from is None else {(tp.topic, tp.partition): end for tp, end in self._end.items()}
 
     def end_offsets(self) -> dict[PartitionKey, int]:
         """End offsets of the partitions assigned now (for lag)."""

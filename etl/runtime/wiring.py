@@ -69,8 +69,8 @@ def _batching(pipeline: Pipeline, llm: LLM, store: SqlStore, settings: Settings)
     if not isinstance(llm, OpenAICompatibleLLM):
         raise ConfigError(f"--batch needs an OpenAI-compatible model (ETL_LLM_BASE_URL or Pipeline(llm=...)); "
                           f"{type(llm).__name__} has no batch API")
-    if isinstance(pipeline.source, KafkaSource):
-        raise ConfigError("--batch reads files for now: a Kafka topic up to its end offsets is not supported yet")
+    if isinstance(pipeline.source, KafkaSource) and pipeline.source.replay_from is None:
+        pipeline.source.until_end = True  # a backfill of what the topic holds when the run starts
     return BatchLLM(llm, BatchLedger(store.engine, pipeline.name, llm.base_url), discount=settings.batch_discount,
                     poll_s=settings.batch_poll_s, sends=settings.llm_max_attempts)
 

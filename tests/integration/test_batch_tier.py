@@ -252,3 +252,36 @@ async def test_a_store_failure_after_the_create_neither_loses_nor_resends_reques
         keys = rows(url, "SELECT count(DISTINCT cache_key) FROM llm_cache")[0][0]
         assert server.lines_received == keys
         assert rows(url, "SELECT count(DISTINCT doc_key) FROM stage_results WHERE stage = 'route'") == [(50,)]
+
+
+async def test_a_kafka_backfill_reads_up_to_the_end_offsets_at_its_start(kafka_bootstrap: str, topic: str,
+                                                                        postgres_url: str) -> None:
+    """`--batch` on a Kafka source: a consumer-group member from the stored positions up to the end
+    offsets when it started, then the run ends; what arrives later is the next backfill's."""
+    from connectors.sources.kafka import KafkaSource
+    from tests.helpers import end_offsets, produce
+
+    items = docs(240)
+    produce(kafka_bootstrap, topic, [(d["id"].encode(), json.dumps(d).encode()) for d in items[:200]])
+
+    def kafka_pipeline(server: BatchServer) -> Pipeline:
+        llm = OpenAICompatibleLLM(server.url, "batch-model", api_key="test", price_per_mtok=PRICES)
+        return Pipeline("backfill", KafkaSource(topic, group=f"{topic}-batch", bootstrap=kafka_bootstrap),
+                        [Classify(LABELS, "Route the ticket.", name="route")], store=postgres_url, llm=llm)
+
+    with BatchServer(polls=1) as server:
+        stats = await run_pipeline(kafka_pipeline(server), settings(), batch=True)
+        assert stats.messages == 200
+        assert rows(postgres_url, "SELECT count(*) FROM stage_results") == [(200,)]
+        first = server.lines_received
+        assert first == len({d["text"] for d in items[:200]})
+        positions = dict(rows(postgres_url, "SELECT partition, next_offset FROM source_positions"))
+        assert positions == end_offsets(kafka_bootstrap, topic)
+
+        produce(kafka_bootstrap, topic, [(d["id"].encode(), json.dumps(d).encode()) for d in items[200:]])
+        stats = await run_pipeline(kafka_pipeline(server), settings(), batch=True)
+        assert stats.messages == 40 and rows(postgres_url, "SELECT count(*) FROM stage_results") == [(240,)]
+        assert server.lines_received == len({d["text"] for d in items})  # only the new contents went out
+
+        stats = await run_pipeline(kafka_pipeline(server), settings(), batch=True)
+        assert stats.messages == 0 and server.lines_received == len({d["text"] for d in items})
