@@ -13,6 +13,7 @@ import secrets
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 from sqlalchemy import Engine, func, insert, select, update
 
@@ -32,6 +33,7 @@ class BatchRecord:
     lines: int
     output_file_id: str | None = None
     error_file_id: str | None = None
+    created_at: datetime | None = None  # when it was recorded (the store's clock)
 
 
 class BatchLedger:
@@ -66,10 +68,15 @@ class BatchLedger:
     def live(self) -> list[BatchRecord]:
         b = llm_batches.c
         with self.engine.connect() as conn:
-            return [BatchRecord(r.id, r.provider_id, r.status, r.lines, r.output_file_id, r.error_file_id)
+            return [BatchRecord(r.id, r.provider_id, r.status, r.lines, r.output_file_id, r.error_file_id, r.created_at)
                     for r in conn.execute(select(llm_batches).where(
                         b.pipeline == self.pipeline, b.provider == self.provider, b.status.in_(LIVE))
                         .order_by(b.created_at))]
+
+    def provider_ids(self) -> set[str]:
+        """Every provider id in the ledger, of any pipeline (a batch to find again is none of these)."""
+        with self.engine.connect() as conn:
+            return set(conn.scalars(select(llm_batches.c.provider_id).where(llm_batches.c.provider_id.is_not(None))))
 
     def batches_of(self, custom_ids: Collection[str]) -> dict[str, BatchRecord]:
         """Each ``custom_id``'s latest batch that is live or answered it (failed and abandoned

@@ -1,4 +1,5 @@
-"""The batch tier: an OpenAI-compatible backend's requests sent through the provider's Batch API.
+"""The batch tier: a backend's requests sent through its provider's batch API (OpenAI's Batch API
+and OpenAI-compatible servers', or Anthropic's Message Batches: ``etl.llm.batch_wire``).
 
 ``generate`` does not call the model: it queues the request under its ``custom_id`` (the stage's
 cache key; a repair has its own) and waits for the batch that answers it. Requests that arrive
@@ -8,9 +9,10 @@ answered, so multi-stage pipelines run in waves, and a repair goes into a follow
 are joined by ``custom_id``, never by order; an unknown or repeated id is logged and ignored.
 
 Nothing is sent twice across crashes: the ledger (``connectors.store.batches``) records each
-batch and its ids before the provider creates it, under an id of ours kept in the batch's
-metadata. A restart finds live batches again (by that metadata when the provider's id was never
-recorded), reads the output files of finished ones, and sends only what no batch holds.
+batch and its ids before the provider creates it, under an id of ours (kept in the batch's metadata
+where the provider has one). A restart finds live batches again (by that id, or by their time and
+size, when the provider's id was never recorded), reads the results of finished ones, and sends
+only what no batch holds.
 
 The fingerprint is the wrapped backend's (``model_id``, ``params``): a batch answer is the same
 model's answer and shares the cache with synchronous runs. Only the price differs: every attempt
@@ -20,26 +22,22 @@ is costed at the batch price (``discount`` × the synchronous one by default).
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import time
+from datetime import datetime, timezone
 from typing import Any
 
 import structlog
-from openai import AsyncOpenAI
 
 from connectors.store.batches import ANSWERED, BatchLedger, BatchRecord
 from dedup import canonical_json, sha256_hex
 from etl.errors import ContextOverflow, LLMError, TransientLLMError
+from etl.llm.anthropic import AnthropicLLM
 from etl.llm.base import LLM, LLMRequest, LLMResponse
+from etl.llm.batch_wire import Line, wire_for
 from etl.llm.openai_compat import OpenAICompatibleLLM
 
 log = structlog.get_logger()
-ENDPOINT = "/v1/chat/completions"
-#: The metadata key that carries our batch id to the provider.
-META = "idem_batch"
-#: Largest input file per batch (OpenAI allows 200 MB).
-MAX_FILE_BYTES = 190_000_000
 
 
 class BatchLineFailed(LLMError):
@@ -64,12 +62,12 @@ class BatchLLM(LLM):
         price_per_mtok: Explicit batch prices instead (USD per million input, output tokens).
         gather_s: A batch goes out once no request has arrived for this long.
         poll_s: How often live batches are checked.
-        max_lines: Most requests per batch (OpenAI: 50,000).
+        max_lines: Most requests per batch (at most the provider's: OpenAI 50,000, Anthropic 100,000).
         sends: How often one request may go out (an errored, expired or cancelled line goes into a
             later batch, however long the batches took); then it fails with its typed reason.
     """
 
-    def __init__(self, inner: OpenAICompatibleLLM, ledger: BatchLedger, *, discount: float = 0.5,
+    def __init__(self, inner: OpenAICompatibleLLM | AnthropicLLM, ledger: BatchLedger, *, discount: float = 0.5,
                  price_per_mtok: tuple[float, float] | None = None, gather_s: float = 0.5, poll_s: float = 5.0,
                  max_lines: int = 50_000, sends: int = 4) -> None:
         self.inner = inner
@@ -77,12 +75,12 @@ class BatchLLM(LLM):
         self.model_id = inner.model_id
         self.params = inner.params
         self.price_per_mtok = price_per_mtok or (inner.price_per_mtok[0] * discount, inner.price_per_mtok[1] * discount)
-        self.gather_s, self.poll_s, self.max_lines, self.sends = gather_s, poll_s, max_lines, sends
+        self.wire = wire_for(inner)
+        self.gather_s, self.poll_s, self.sends = gather_s, poll_s, sends
+        self.max_lines = min(max_lines, self.wire.max_lines)
         self._bodies: dict[str, dict[str, Any]] = {}  # custom_id -> request body, while awaited
         self._sent: dict[str, int] = {}  # custom_id -> batches it went out in (this process)
-        self._files: dict[str, dict[str, dict[str, Any]]] = {}  # file id -> its lines by custom_id
-        self.client = AsyncOpenAI(base_url=inner.base_url, api_key=inner.api_key.get_secret_value() or "none",
-                                  max_retries=5)
+        self._results: dict[str, dict[str, Line]] = {}  # our batch id -> its result lines by custom_id
         self._waiting: dict[str, list[asyncio.Future[LLMResponse]]] = {}
         self._queued: dict[str, dict[str, Any]] = {}  # custom_id -> request body, in no batch yet
         self._unchecked: set[str] = set()  # queued ids the ledger has not been asked about yet
@@ -150,7 +148,7 @@ class BatchLLM(LLM):
     async def _resume(self) -> None:
         """Live batches of an earlier process: found again at the provider, or abandoned."""
         recorded = await asyncio.to_thread(self.ledger.live)
-        found = (await self._created()) if any(b.provider_id is None for b in recorded) else {}
+        found = await self._find([b for b in recorded if b.provider_id is None])
         for batch in recorded:
             provider_id = batch.provider_id or found.get(batch.id)
             if provider_id is None:  # recorded, then the process died before the provider made it
@@ -161,14 +159,11 @@ class BatchLLM(LLM):
             self._live[batch.id] = BatchRecord(batch.id, provider_id, "submitted", batch.lines)
             self.stats["resumed"] += 1
 
-    async def _created(self) -> dict[str, str]:
-        """The provider's batches that carry an id of ours: ours -> theirs."""
-        found: dict[str, str] = {}
-        async for batch in self.client.batches.list(limit=100):
-            ours = (batch.metadata or {}).get(META)
-            if ours:
-                found[ours] = batch.id
-        return found
+    async def _find(self, unconfirmed: list[BatchRecord]) -> dict[str, str]:
+        """Which recorded batches the provider made after all: ours -> theirs."""
+        if not unconfirmed:
+            return {}
+        return await self.wire.find(unconfirmed, await asyncio.to_thread(self.ledger.provider_ids))
 
     async def _place(self) -> None:
         """Queued requests already in a batch wait for it (or take its answer); the rest go out in
@@ -197,7 +192,7 @@ class BatchLLM(LLM):
             items, size = [], 0
             for custom_id in ready[: self.max_lines]:  # and under the provider's input file limit
                 size += len(json.dumps(self._queued[custom_id])) + 150
-                if items and size > MAX_FILE_BYTES:
+                if items and size > self.wire.max_bytes:
                     break
                 items.append((custom_id, self._queued[custom_id]))
             for custom_id, _ in items:
@@ -220,18 +215,15 @@ class BatchLLM(LLM):
     async def _send(self, items: list[tuple[str, dict[str, Any]]]) -> None:
         batch_id = self.ledger.new_id()
         ids = [custom_id for custom_id, _ in items]
+        recorded_at = datetime.now(timezone.utc)
         await asyncio.to_thread(self.ledger.record, batch_id, ids)  # before the provider hears of it
-        data = "".join(json.dumps({"custom_id": c, "method": "POST", "url": ENDPOINT, "body": b}) + "\n"
-                       for c, b in items).encode()
         try:
-            upload = await self.client.files.create(file=("batch.jsonl", io.BytesIO(data)), purpose="batch")
             # No retries of the create by the client: a retried create the provider had made would
-            # be a second batch. A failed one is looked up by its metadata instead.
-            created = await self.client.with_options(max_retries=0).batches.create(
-                input_file_id=upload.id, endpoint=ENDPOINT, completion_window="24h", metadata={META: batch_id})
-            provider_id: str | None = created.id
+            # be a second batch. A failed one is looked for instead.
+            provider_id: str | None = await self.wire.create(batch_id, items)
         except Exception as exc:  # noqa: BLE001 - was it created anyway? Ask, then decide
-            provider_id = (await self._created()).get(batch_id)
+            provider_id = (await self._find([BatchRecord(batch_id, None, "recorded", len(ids),
+                                                         created_at=recorded_at)])).get(batch_id)
             if provider_id is None:
                 await asyncio.to_thread(self.ledger.closed, batch_id, "abandoned")
                 self._failures += 1
@@ -253,10 +245,10 @@ class BatchLLM(LLM):
     async def _poll(self) -> None:
         for batch_id, batch in list(self._live.items()):
             assert batch.provider_id is not None
-            state = await self.client.batches.retrieve(batch.provider_id)
-            if state.status in ("validating", "in_progress", "finalizing", "cancelling"):
+            state = await self.wire.state(batch.provider_id)
+            if state is None:
                 continue
-            status = state.status if state.status in (*ANSWERED, "failed") else "failed"
+            status = state.status
             record = BatchRecord(batch_id, batch.provider_id, status, batch.lines, state.output_file_id,
                                  state.error_file_id)
             del self._live[batch_id]
@@ -264,69 +256,53 @@ class BatchLLM(LLM):
             for custom_id in held:
                 del self._holds[custom_id]
             await self._settle_from(record, held)
+            self._results.pop(batch_id, None)
             await asyncio.to_thread(self.ledger.closed, batch_id, status, state.output_file_id, state.error_file_id)
             log.info("batch_finished", batch=batch_id, provider_id=batch.provider_id, status=status,
-                     completed=state.request_counts.completed if state.request_counts else None)
+                     completed=state.completed)
 
     async def _settle_from(self, batch: BatchRecord, wanted: set[str], *, final: bool = True) -> set[str]:
         """Answers the waiters of ``wanted`` from a finished batch's files; the ones it did not
         answer fail too when ``final`` (else they are returned, to be sent again)."""
-        answers: dict[str, dict[str, Any]] = {}
-        for file_id in (batch.output_file_id, batch.error_file_id):
-            if file_id:
-                answers.update({c: r for c, r in (await self._lines(batch, file_id)).items() if c not in answers})
+        answers = await self._lines(batch)
         unknown = [c for c in answers if c not in wanted and c not in self._bodies]
         if unknown:
             self.stats["ignored"] += len(unknown)
             log.warning("batch_lines_ignored", batch=batch.id, unknown=len(unknown), example=str(unknown[0])[:80])
         unanswered = set()
         for custom_id in wanted:
-            record = answers.get(custom_id)
-            response = (record or {}).get("response") or {}
-            if response.get("status_code") == 200:
+            line = answers.get(custom_id) or Line()
+            if line.body is not None:
                 try:
-                    self._answer(custom_id, answer=self.inner.answer(response.get("body"), 0.0))
+                    self._answer(custom_id, answer=self.inner.answer(line.body, 0.0))
                 except LLMError as exc:
                     self._answer(custom_id, error=exc)
                 continue
-            status, body = response.get("status_code"), response.get("body")
-            if isinstance(status, int) and 400 <= status < 500 and status not in (408, 409, 429):
-                text = json.dumps(body)[:300]  # the request itself was refused: sending it again cannot help
-                self._answer(custom_id, error=ContextOverflow(f"prompt too long: {text}") if "context" in text.lower()
-                             else LLMError(f"provider refused the request ({status}): {text}"))
+            if line.refused is not None:  # the request itself was refused: sending it again cannot help
+                text = line.refused
+                self._answer(custom_id, error=ContextOverflow(f"prompt too long: {text}")
+                             if "context" in text.lower() or "too long" in text.lower()
+                             else LLMError(f"provider refused the request {text}"))
                 continue
             if not final or self._sent.get(custom_id, 0) < self.sends and custom_id in self._bodies:
                 unanswered.add(custom_id)
                 if final:  # into a later batch, however long this one took
                     self._queued[custom_id] = self._bodies[custom_id]
                 continue
-            error = (record or {}).get("error") or {}
-            if batch.status in ("expired", "cancelled") or error.get("code") in ("batch_expired", "batch_cancelled"):
+            if batch.status in ("expired", "cancelled") or line.ended:
                 self._answer(custom_id, error=BatchExpired(f"batch {batch.id} ended ({batch.status}) before answering"))
             else:
-                self._answer(custom_id, error=BatchLineFailed(
-                    f"batch {batch.id} ({batch.status}) returned {status or error.get('code') or 'no result'}"))
+                self._answer(custom_id, error=BatchLineFailed(f"batch {batch.id} ({batch.status}) returned {line.detail}"))
         return unanswered
 
-    async def _lines(self, batch: BatchRecord, file_id: str) -> dict[str, dict[str, Any]]:
-        """A result file's lines by custom_id, downloaded once (the first of a repeated id counts)."""
-        if file_id not in self._files:
-            content = await self.client.files.content(file_id)
-            lines: dict[str, dict[str, Any]] = {}
-            for line in content.text.splitlines():
-                try:
-                    record = json.loads(line)
-                    custom_id = record["custom_id"]
-                except (ValueError, KeyError, TypeError):
-                    log.warning("batch_line_unreadable", batch=batch.id, line=line[:200])
-                    continue
-                if custom_id in lines:
-                    self.stats["ignored"] += 1
-                    log.warning("batch_line_repeated", batch=batch.id, custom_id=str(custom_id)[:80])
-                    continue
-                lines[custom_id] = record
-            self._files[file_id] = lines
-        return self._files[file_id]
+    async def _lines(self, batch: BatchRecord) -> dict[str, Line]:
+        """A finished batch's result lines by custom_id, read once (the first of a repeated id counts)."""
+        if batch.id not in self._results:
+            self._results[batch.id], odd = await self.wire.results(batch)
+            if odd:
+                self.stats["ignored"] += odd
+                log.warning("batch_lines_repeated_or_unreadable", batch=batch.id, lines=odd)
+        return self._results[batch.id]
 
     def _answer(self, custom_id: str, answer: LLMResponse | None = None, error: Exception | None = None) -> None:
         self._bodies.pop(custom_id, None)
@@ -347,12 +323,12 @@ class BatchLLM(LLM):
         for batch in await asyncio.to_thread(self.ledger.live):
             if batch.provider_id is None:
                 continue
-            await self.client.batches.cancel(batch.provider_id)
+            await self.wire.cancel(batch.provider_id)
             cancelled.append(batch.provider_id)
         return cancelled
 
     async def aclose(self) -> None:
         if self._loop is not None and not self._loop.done():
             self._loop.cancel()
-        await self.client.close()
+        await self.wire.aclose()
         await self.inner.aclose()

@@ -64,10 +64,11 @@ def build_runner(pipeline: Pipeline, settings: Settings | None = None, *, llm: L
 def _batching(pipeline: Pipeline, llm: LLM, store: SqlStore, settings: Settings) -> LLM:
     from connectors.store.batches import BatchLedger  # noqa: PLC0415
     from etl.llm.batch import BatchLLM  # noqa: PLC0415
+    from etl.llm.anthropic import AnthropicLLM  # noqa: PLC0415
     from etl.llm.openai_compat import OpenAICompatibleLLM  # noqa: PLC0415
 
-    if not isinstance(llm, OpenAICompatibleLLM):
-        raise ConfigError(f"--batch needs an OpenAI-compatible model (ETL_LLM_BASE_URL or Pipeline(llm=...)); "
+    if not isinstance(llm, (OpenAICompatibleLLM, AnthropicLLM)):
+        raise ConfigError(f"--batch needs an OpenAI-compatible or Anthropic model (ETL_LLM_BASE_URL or Pipeline(llm=...)); "
                           f"{type(llm).__name__} has no batch API")
     if isinstance(pipeline.source, KafkaSource) and pipeline.source.replay_from is None:
         pipeline.source.until_end = True  # a backfill of what the topic holds when the run starts

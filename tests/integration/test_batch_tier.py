@@ -182,7 +182,7 @@ async def test_a_batch_recorded_but_never_created_is_abandoned_and_one_created_b
 
     from connectors.store import make_engine, upgrade
     from connectors.store.batches import BatchLedger
-    from etl.llm.batch import ENDPOINT, META
+    from etl.llm.batch_wire import META, OpenAIWire
 
     items = docs(40, duplicates=0)
     url = f"sqlite:///{tmp_path / 'batch.db'}"
@@ -211,9 +211,9 @@ async def test_a_batch_recorded_but_never_created_is_abandoned_and_one_created_b
         # (any body: what matters is which custom_ids go out again; an answer to it is repaired)
         body = lambda c: {"model": "batch-model", "messages": [{"role": "user", "content": "x"}]}  # noqa: E731
         upload = client.files.create(file=("in.jsonl", "".join(
-            json.dumps({"custom_id": c, "method": "POST", "url": ENDPOINT, "body": body(c)}) + "\n" for c in second
+            json.dumps({"custom_id": c, "method": "POST", "url": OpenAIWire.ENDPOINT, "body": body(c)}) + "\n" for c in second
         ).encode()), purpose="batch")
-        client.batches.create(input_file_id=upload.id, endpoint=ENDPOINT, completion_window="24h",
+        client.batches.create(input_file_id=upload.id, endpoint=OpenAIWire.ENDPOINT, completion_window="24h",
                               metadata={META: adopted})  # made, and then the process died
         received_before = server.lines_received
         runner = build_runner(pipeline(url, server, items), settings(), batch=True)
