@@ -1,4 +1,6 @@
-"""An OpenAI-wire batch server for tests: Files (``purpose=batch``) and ``/v1/batches``, on 127.0.0.1.
+"""A batch server for tests on 127.0.0.1, speaking two wires: OpenAI's Files (``purpose=batch``) and
+``/v1/batches``, and Anthropic's Messages (``/v1/messages``) and Message Batches
+(``/v1/messages/batches``). ``url`` is the OpenAI base URL (``.../v1``), ``root`` Anthropic's.
 
 Each line of a batch is answered as :class:`~etl.fault_server.FaultServer` answers a chat request
 (its ``[fault:...]`` directives included: ``[fault:500x1]`` makes that line an errored one), and
@@ -7,13 +9,15 @@ results come back the way the provider returns them: in an output file and an er
 
 - ``polls``: a batch is ``in_progress`` for this many retrievals before it completes;
 - ``expire_next`` / ``fail_next``: the next batches created expire (every line not yet done goes to
-  the error file as ``batch_expired``) or fail validation (``status: failed``, no files);
+  the error file as ``batch_expired``; Anthropic: an ``expired`` result) or fail validation
+  (``status: failed``, no files; Anthropic refuses the create with a 400);
 - ``duplicate_lines`` / ``unknown_lines``: the output file repeats a line and adds one for a
   ``custom_id`` that was never sent.
 
 It counts everything: every HTTP request, every batch line it received, the tokens it billed.
 ``on_request``, if set, is called with the moment a request reached, on the server's thread, so a
-crash test can kill its client exactly there: ``"upload"`` (a file received, before the reply),
+crash test can kill its client exactly there: ``"upload"`` (a file received, before the reply;
+Anthropic: a batch's requests received, before it is made),
 ``"create"`` (the batch made, before the reply: the client never learns its id), ``"poll"``,
 ``"download"`` (before a result file is sent) and ``"downloaded"`` (after: the client commits next).
 """
@@ -24,8 +28,10 @@ import email.parser
 import email.policy
 import json
 import random
+import re
 import time
 from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
@@ -47,6 +53,10 @@ class BatchServer(FaultServer):
         self.billed = [0, 0]  # (prompt, completion) tokens of the lines answered in batches
         self.files: dict[str, tuple[str, bytes]] = {}  # id -> (purpose, content)
         self.batches: dict[str, dict[str, Any]] = {}
+        self.message_batches: dict[str, dict[str, Any]] = {}  # Anthropic's
+        self._requests: dict[str, list[dict[str, Any]]] = {}  # an Anthropic batch's requests
+        self._results: dict[str, bytes] = {}  # an ended Anthropic batch's results JSONL
+        self.root = self.url.removesuffix("/v1")
         self._polled: dict[str, int] = {}
         self._random = random.Random(seed)
         self._ids = 0
@@ -82,6 +92,21 @@ class BatchServer(FaultServer):
                     server._moment("download")
                     self._reply(200, None, found[1]) if found else self._reply(404, _error("no such file"))
                     server._moment("downloaded")
+                elif path.startswith("/messages/batches"):
+                    parts = path.split("/")  # "", messages, batches[, id[, results]]
+                    if len(parts) == 3:
+                        data = sorted(server.message_batches.values(), key=lambda b: b["created_at"], reverse=True)
+                        self._reply(200, {"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
+                                          "last_id": data[-1]["id"] if data else None})
+                    elif len(parts) == 5 and parts[4] == "results" and parts[3] in server._results:
+                        server._moment("download")
+                        self._reply(200, None, server._results[parts[3]])
+                        server._moment("downloaded")
+                    elif len(parts) == 4 and parts[3] in server.message_batches:
+                        server._moment("poll")
+                        self._reply(200, server.retrieve_message_batch(parts[3]))
+                    else:
+                        self._reply(404, _anthropic_error("not_found_error", f"unknown path {path}"))
                 elif path == "/batches":
                     data = sorted(server.batches.values(), key=lambda b: -b["created_at"])
                     self._reply(200, {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
@@ -98,9 +123,24 @@ class BatchServer(FaultServer):
                 if path == "/chat/completions":
                     super().do_POST()  # the synchronous endpoint, as FaultServer serves it
                     return
-                server._count()
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if path == "/files":
+                if path == "/messages":
+                    status, payload = server.respond_anthropic(json.loads(body))
+                    self._reply(status, payload)
+                    return
+                server._count()
+                if path == "/messages/batches":
+                    server._moment("upload")  # the requests arrived in the create itself; not made yet
+                    status, payload = server.create_message_batch(json.loads(body))
+                    server._moment("create")
+                    self._reply(status, payload)
+                elif path.startswith("/messages/batches/") and path.endswith("/cancel"):
+                    batch_id = path.split("/")[3]
+                    if batch_id in server.message_batches:
+                        self._reply(200, server.cancel_message_batch(batch_id))
+                    else:
+                        self._reply(404, _anthropic_error("not_found_error", "no such batch"))
+                elif path == "/files":
                     purpose, content = _multipart(self.headers["Content-Type"], body)
                     uploaded = server.add_file(purpose, content)
                     server._moment("upload")
@@ -212,6 +252,129 @@ class BatchServer(FaultServer):
         state = "expired" if expired else "cancelled" if cancelled else "completed"
         batch.update(status=state, **{f"{state}_at": now}, request_counts={
             "total": len(lines), "completed": len(lines) - len(errors), "failed": len(errors)})
+
+
+    # -- Anthropic's wire -----------------------------------------------------------------------
+
+    def respond_anthropic(self, params: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """A Messages API answer, as :meth:`respond` answers the same request on OpenAI's wire: the
+        answer object as the input of the forced tool; prose, truncation and refusals as Anthropic
+        reports them."""
+        tools = params.get("tools") or [{}]
+        messages = list(params.get("messages") or [])
+        if params.get("system"):
+            messages = [{"role": "system", "content": params["system"]}, *messages]
+        status, _, payload = self.respond({"messages": messages, "response_format": {
+            "type": "json_schema", "json_schema": {"schema": tools[0].get("input_schema") or {}}}})
+        if status != 200:
+            kind = {429: "rate_limit_error", 400: "invalid_request_error"}.get(status, "api_error")
+            message = payload["error"]["message"]
+            if "context length" in message:
+                message = "prompt is too long: 200001 tokens > 200000 maximum"
+            return status, _anthropic_error(kind, message)
+        choice = payload["choices"][0]
+        message, finish = choice["message"], choice["finish_reason"]
+        text = message.get("content") or ""
+        if message.get("refusal"):
+            content, stop = [], "refusal"
+        elif finish == "length":
+            content, stop = [{"type": "text", "text": text}], "max_tokens"
+        else:
+            try:
+                answer = json.loads(text)
+            except ValueError:
+                answer = None
+            content, stop = ([{"type": "tool_use", "id": f"toolu_{self.requests:06d}", "name": tools[0].get("name"),
+                               "input": answer}], "tool_use") if isinstance(answer, dict) else (
+                [{"type": "text", "text": text}], "end_turn")
+        return 200, {"id": f"msg_{self.requests:06d}", "type": "message", "role": "assistant",
+                     "model": "fault-model-2026-01", "content": content, "stop_reason": stop, "stop_sequence": None,
+                     "usage": {"input_tokens": payload["usage"]["prompt_tokens"],
+                               "output_tokens": payload["usage"]["completion_tokens"]}}
+
+    def create_message_batch(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        requests = list(body.get("requests") or [])
+        ids = [r.get("custom_id") for r in requests]
+        with self._lock:
+            failing = self.fail_next > 0
+            self.fail_next -= failing
+        bad = next((i for i in ids if not isinstance(i, str) or not _CUSTOM_ID.fullmatch(i)), None)
+        if failing or not requests or len(set(ids)) != len(ids) or bad is not None:
+            return 400, _anthropic_error("invalid_request_error", "the batch failed validation" if failing else
+                                         f"invalid or duplicate custom_id: {bad!r}" if requests else "no requests")
+        with self._lock:
+            self.lines_received += len(requests)
+        now = datetime.now(timezone.utc)
+        batch = {"id": self._id("msgbatch"), "type": "message_batch", "processing_status": "in_progress",
+                 "request_counts": {"processing": len(requests), "succeeded": 0, "errored": 0, "canceled": 0,
+                                    "expired": 0},
+                 "ended_at": None, "created_at": _iso(now), "expires_at": _iso(now + timedelta(hours=24)),
+                 "archived_at": None, "cancel_initiated_at": None, "results_url": None}
+        self.message_batches[batch["id"]] = batch
+        self._requests[batch["id"]] = requests
+        self._polled[batch["id"]] = 0
+        return 200, batch
+
+    def retrieve_message_batch(self, batch_id: str) -> dict[str, Any]:
+        batch = self.message_batches[batch_id]
+        if batch["processing_status"] == "ended":
+            return batch
+        self._polled[batch_id] += 1
+        if self._polled[batch_id] <= self.polls:
+            return batch
+        with self._lock:
+            expiring = self.expire_next > 0
+            self.expire_next -= expiring
+        self._end_message_batch(batch, "expired" if expiring else None)
+        return batch
+
+    def cancel_message_batch(self, batch_id: str) -> dict[str, Any]:
+        batch = self.message_batches[batch_id]
+        if batch["processing_status"] != "ended":
+            batch["cancel_initiated_at"] = _iso(datetime.now(timezone.utc))
+            self._end_message_batch(batch, "canceled")
+        return batch
+
+    def _end_message_batch(self, batch: dict[str, Any], ending: str | None) -> None:
+        results = []
+        counts = {"processing": 0, "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
+        for request in self._requests[batch["id"]]:
+            record: dict[str, Any] = {"custom_id": request["custom_id"]}
+            if ending is not None:
+                record["result"] = {"type": ending}
+                counts[ending] += 1
+            else:
+                status, payload = self.respond_anthropic(request["params"])
+                if status == 200:
+                    with self._lock:
+                        self.billed[0] += payload["usage"]["input_tokens"]
+                        self.billed[1] += payload["usage"]["output_tokens"]
+                    record["result"] = {"type": "succeeded", "message": payload}
+                    counts["succeeded"] += 1
+                else:
+                    record["result"] = {"type": "errored", "error": payload}
+                    counts["errored"] += 1
+            results.append(record)
+        self._random.shuffle(results)  # results come back in no particular order
+        if self.duplicate_lines and results:
+            results.append(results[0])
+        if self.unknown_lines:
+            results.append({"custom_id": "never-sent", "result": {"type": "succeeded", "message": {
+                "content": [], "usage": {"input_tokens": 0, "output_tokens": 0}}}})
+        self._results[batch["id"]] = _jsonl(results)
+        batch.update(processing_status="ended", request_counts=counts, ended_at=_iso(datetime.now(timezone.utc)),
+                     results_url=f"{self.root}/v1/messages/batches/{batch['id']}/results")
+
+
+_CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def _iso(moment: datetime) -> str:
+    return moment.isoformat().replace("+00:00", "Z")
+
+
+def _anthropic_error(kind: str, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def _error(message: str) -> dict[str, Any]:

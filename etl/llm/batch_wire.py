@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Protocol
 
-import httpx
 import structlog
 
 from connectors.store.batches import BatchRecord
@@ -206,8 +205,8 @@ class AnthropicWire:
         state = await self.client.messages.batches.retrieve(batch.output_file_id)
         if not state.results_url:
             return lines, odd
-        response = await self.client.get(state.results_url, cast_to=httpx.Response)  # raw: a bad line is one line
-        for record, custom_id in _records(response.text, batch):
+        text = await self.client.get(state.results_url, cast_to=str)  # raw text: a bad line is one line
+        for record, custom_id in _records(text, batch):
             if record is None or custom_id in lines:
                 odd += 1
                 continue

@@ -88,3 +88,65 @@ def test_duplicate_and_unknown_result_lines(server: BatchServer) -> None:
     done = client.batches.retrieve(submit(client, [line("a", "one"), line("b", "two")]).id)
     ids = [r["custom_id"] for r in results(client, done.output_file_id)]
     assert sorted(ids) == sorted(["a", "b", ids[0], "never-sent"]) and len(ids) == 4
+
+
+# -- Anthropic's wire, checked with the official `anthropic` client --------------------------------
+
+def params(text: str) -> dict[str, Any]:
+    return {"model": "m", "max_tokens": 50, "messages": [{"role": "user", "content": text}],
+            "tools": [{"name": "output", "description": "Record the answer.", "input_schema": SCHEMA}],
+            "tool_choice": {"type": "tool", "name": "output"}}
+
+
+def test_anthropic_messages_answer_with_the_forced_tool(server: BatchServer) -> None:
+    from anthropic import Anthropic, BadRequestError, RateLimitError
+
+    client = Anthropic(base_url=server.root, api_key="test", max_retries=0)
+    message = client.messages.create(**params("doc 1"))  # type: ignore[arg-type]
+    tool = message.content[0]
+    assert message.stop_reason == "tool_use" and tool.type == "tool_use" and tool.input["label"] in ("a", "b")
+    assert message.usage.input_tokens > 0 and message.usage.output_tokens > 0
+    cut = client.messages.create(**params("doc [fault:truncated]"))  # type: ignore[arg-type]
+    assert cut.stop_reason == "max_tokens" and cut.content[0].type == "text"
+    assert client.messages.create(**params("doc [fault:refusal]")).stop_reason == "refusal"  # type: ignore[arg-type]
+    with pytest.raises(RateLimitError):
+        client.messages.create(**params("doc [fault:429x1]"))  # type: ignore[arg-type]
+    with pytest.raises(BadRequestError, match="prompt is too long"):
+        client.messages.create(**params("doc [fault:context]"))  # type: ignore[arg-type]
+
+
+def test_anthropic_message_batches_results_by_custom_id_out_of_order(server: BatchServer) -> None:
+    from anthropic import Anthropic, BadRequestError
+
+    client = Anthropic(base_url=server.root, api_key="test", max_retries=0)
+    requests = [{"custom_id": f"k{i}", "params": params(f"doc {i}")} for i in range(20)]
+    requests.append({"custom_id": "bad", "params": params("x [fault:500x1]")})
+    batch = client.messages.batches.create(requests=requests)  # type: ignore[arg-type]
+    assert batch.processing_status == "in_progress" and batch.request_counts.processing == 21
+    assert [client.messages.batches.retrieve(batch.id).processing_status for _ in range(2)] == ["in_progress"] * 2
+    done = client.messages.batches.retrieve(batch.id)
+    assert done.processing_status == "ended" and done.results_url
+    assert (done.request_counts.succeeded, done.request_counts.errored) == (20, 1)
+    out = list(client.messages.batches.results(batch.id))
+    ids = [r.custom_id for r in out]
+    assert sorted(ids) == sorted([f"k{i}" for i in range(20)] + ["bad"]) and ids != [r["custom_id"] for r in requests]
+    kinds = {r.custom_id: r.result.type for r in out}
+    assert kinds["bad"] == "errored" and {kinds[f"k{i}"] for i in range(20)} == {"succeeded"}
+    succeeded = [r.result.message for r in out if r.result.type == "succeeded"]
+    assert server.billed == [sum(m.usage.input_tokens for m in succeeded), sum(m.usage.output_tokens for m in succeeded)]
+    assert [b.id for b in client.messages.batches.list()] == [batch.id]
+
+    server.polls, server.expire_next = 0, 1
+    expired = client.messages.batches.create(requests=requests[:2])  # type: ignore[arg-type]
+    assert client.messages.batches.retrieve(expired.id).request_counts.expired == 2
+    assert {r.result.type for r in client.messages.batches.results(expired.id)} == {"expired"}
+    server.polls = 5
+    cancelled = client.messages.batches.cancel(client.messages.batches.create(requests=requests[:1]).id)  # type: ignore[arg-type]
+    assert cancelled.processing_status == "ended" and cancelled.cancel_initiated_at is not None
+    assert [r.result.type for r in client.messages.batches.results(cancelled.id)] == ["canceled"]
+    server.fail_next = 1
+    with pytest.raises(BadRequestError):
+        client.messages.batches.create(requests=requests[:1])  # type: ignore[arg-type]
+    with pytest.raises(BadRequestError, match="duplicate"):
+        client.messages.batches.create(requests=[requests[0], requests[0]])  # type: ignore[arg-type]
+    assert server.lines_received == 21 + 2 + 1

@@ -40,6 +40,7 @@ PIPELINE_FILE = '''
 import os
 from pydantic import BaseModel
 from etl import Classify, Extract, Pipeline, label_in
+from etl.llm.anthropic import AnthropicLLM
 from etl.llm.openai_compat import OpenAICompatibleLLM
 
 
@@ -51,8 +52,9 @@ class Ticket(BaseModel):
 pipeline = Pipeline("backfill", os.environ["DOCS"], [
     Classify({labels!r}, "Route the ticket.", name="route"),
     Extract(Ticket, "Summarise it.", name="ticket", when=label_in("route", "billing", "account")),
-], store=os.environ["STORE"], llm=OpenAICompatibleLLM(os.environ["BATCH_URL"], "batch-model", api_key="test",
-                                                      price_per_mtok={prices!r}))
+], store=os.environ["STORE"], llm=AnthropicLLM("batch-model", base_url=os.environ["BATCH_URL"], api_key="test",
+                                               price_per_mtok={prices!r}) if os.environ["WIRE"] == "anthropic"
+  else OpenAICompatibleLLM(os.environ["BATCH_URL"], "batch-model", api_key="test", price_per_mtok={prices!r}))
 '''
 
 
@@ -97,8 +99,9 @@ class Killer:
             self.killed.append(moment)
 
 
+@pytest.mark.parametrize("wire", ["openai", "anthropic"])
 def test_killed_at_every_moment_of_the_wire_a_backfill_sends_each_request_once(
-        tmp_path: Path, postgres_url: str) -> None:
+        tmp_path: Path, postgres_url: str, wire: str) -> None:
     items = documents(DOCUMENTS)
     source = tmp_path / "docs.jsonl"
     source.write_text("".join(json.dumps(d) + "\n" for d in items))
@@ -107,7 +110,8 @@ def test_killed_at_every_moment_of_the_wire_a_backfill_sends_each_request_once(
     killer = Killer()
     with BatchServer(polls=2, seed=3) as server:
         server.on_request = killer
-        env = {**os.environ, "DOCS": str(source), "STORE": postgres_url, "BATCH_URL": server.url,
+        env = {**os.environ, "DOCS": str(source), "STORE": postgres_url, "WIRE": wire,
+               "BATCH_URL": server.root if wire == "anthropic" else server.url,
                "ETL_BATCH_POLL_S": "0.05", "ETL_BATCH_WINDOW": "400"}  # many batches: many moments to die in
         command = [sys.executable, "-m", "etl.cli", "run", str(tmp_path / "backfill.py"), "--batch"]
         finished_early = 0
@@ -136,8 +140,9 @@ def test_killed_at_every_moment_of_the_wire_a_backfill_sends_each_request_once(
         tickets = rows(postgres_url, "SELECT doc_key FROM stage_results WHERE stage = 'ticket'")
         billed_in, billed_out = server.billed
         recorded = rows(postgres_url, "SELECT coalesce(sum(cost), 0) FROM llm_calls WHERE outcome <> 'cache_hit'")[0][0]
-        print(f"\nbatch crash figures: {len(killer.killed)} kills {kills}, {finished_early} runs finished before "
-              f"their kill, {len(server.batches)} batches, {server.lines_received} lines received, {keys} unique "
+        made = len(server.batches if wire == "openai" else server.message_batches)
+        print(f"\nbatch crash figures ({wire}): {len(killer.killed)} kills {kills}, {finished_early} runs finished before "
+              f"their kill, {made} batches, {server.lines_received} lines received, {keys} unique "
               f"keys, ratio {server.lines_received / keys:.3f}, {len(tickets)} ticket results, recorded cost "
               f"${recorded:.6f} billed x batch price ${(billed_in * PRICES[0] + billed_out * PRICES[1]) / 2e6:.6f}")
         assert len(killer.killed) >= MIN_KILLS and all(kills[m] >= 2 for m in MOMENTS), kills
