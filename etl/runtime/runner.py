@@ -246,8 +246,12 @@ class Runner:
         dispatching: asyncio.Task[None] | None = None
         flushing: asyncio.Task[None] | None = None
         # What lives through the whole run (modules, models, connections) is not the collector's to
-        # walk on every full collection; per-message garbage is.
+        # walk on every full collection; per-message garbage is. And with thousands of documents in
+        # flight (a backfill's window), collections every 700 allocations walk the same live objects
+        # again and again: a 20,000-document batch run took 28-29 s, 19-23 s with this threshold.
         gc.freeze()
+        threshold = gc.get_threshold()
+        gc.set_threshold(max(threshold[0], 50_000), *threshold[1:])
         try:
             while True:
                 if flushing is not None and flushing.done():
@@ -310,6 +314,7 @@ class Runner:
                 self._wake.clear()
         finally:
             gc.unfreeze()
+            gc.set_threshold(*threshold)
             for task in (*self._tasks, *([dispatching] if dispatching else [])):
                 task.cancel()
             for polled in self._queued:  # checked ahead, never dispatched: a stop or a failure
