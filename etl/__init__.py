@@ -25,6 +25,7 @@ from etl.errors import (
 )
 from etl.llm import LLM, LLMRequest, LLMResponse, LocalLLM, OpenAICompatibleLLM
 from etl.pipeline import Pipeline, load_pipeline
+from etl.quality.router import Router
 from etl.runtime.decode import Decoder
 from etl.runtime.stats import RunStats
 from etl.runtime.wiring import run_pipeline
@@ -34,9 +35,9 @@ from etl.validators import Check, date_parses, non_negative, not_empty
 from schemas import Classification, Receipt
 
 __all__ = [
-    "LLM",
     "BadInput",
     "BudgetExceeded",
+    "Check",
     "Classification",
     "Classify",
     "ConfigError",
@@ -47,6 +48,7 @@ __all__ = [
     "Extract",
     "JsonlSource",
     "KafkaSource",
+    "LLM",
     "LLMError",
     "LLMRequest",
     "LLMResponse",
@@ -57,6 +59,7 @@ __all__ = [
     "Pipeline",
     "Receipt",
     "Refusal",
+    "Router",
     "RunStats",
     "SchemaInvalid",
     "SemanticInvalid",
@@ -67,11 +70,10 @@ __all__ = [
     "StoreError",
     "TransientLLMError",
     "Truncated",
-    "Check",
     "date_parses",
     "label_in",
+    "load_pipeline",
     "non_negative",
     "not_empty",
-    "load_pipeline",
     "run_pipeline",
 ]

@@ -105,10 +105,41 @@ class FakeLLM(LLM):
             self.in_flight -= 1
 
 
+def simulated_labeller(gold: dict[str, str], labels: list[str], accuracy: float = 0.92,
+                       partners: dict[str, str] | None = None, seed: str = "") -> Answer:
+    """A simulated classifier for a Classify stage: the same answer every time for the same text
+    (drawn from a hash of it and ``seed``), the gold label on ``accuracy`` of the texts.
+
+    Errors fall on random texts with a random other label, or, with ``partners`` (label → the label
+    it is confused with), only on texts of those labels, which get their partner: then
+    ``accuracy`` is reached by erring on a larger share of those texts.
+    Texts it has no gold label for get a label drawn from their hash."""
+    share = 1.0 - accuracy
+    if partners:
+        covered = sum(label in partners for label in gold.values())
+        share = min(1.0, (1.0 - accuracy) * len(gold) / max(covered, 1))
+
+    def answer(request: LLMRequest) -> dict[str, Any]:
+        text = request.messages[-1]["content"]
+        draw = int(sha256_hex(f"{seed}:{text}")[:12], 16) / 16**12
+        truth = gold.get(text)
+        if truth is None:
+            return {"label": labels[int(draw * len(labels))]}
+        if partners:
+            wrong = truth in partners and draw < share
+            return {"label": partners[truth] if wrong else truth}
+        if draw >= share:
+            return {"label": truth}
+        others = [label for label in labels if label != truth]
+        return {"label": others[int(draw / share * len(others)) % len(others)]}
+
+    return answer
+
+
 def lognormal(median_s: float, sigma: float = 0.5, seed: int = 0) -> Callable[[], float]:
     """Latencies with the long right tail real providers have."""
     rng = random.Random(seed)
     return lambda: rng.lognormvariate(0, sigma) * median_s
 
 
-__all__ = ["FakeLLM", "ListSource", "lognormal", "schema_answer"]
+__all__ = ["FakeLLM", "ListSource", "lognormal", "schema_answer", "simulated_labeller"]

@@ -33,6 +33,8 @@ class Provenance(BaseModel):
     #: How the schema was enforced: "outlines", "json_schema", "json_object", "none", or None (fake).
     structured: str | None = None
     system_fingerprint: str | None = None
+    #: None: the model answered (or its cache); ``student:<id>``: a router's student did (cost 0).
+    answered_by: str | None = None
 
 
 class StageResult(BaseModel):

@@ -61,6 +61,10 @@ class DocumentOutcome:
     settles_dead_letters: bool = False
     #: Sampled for human review: (stage, output, why sampled, the text kept for reviewers or "").
     reviews: tuple[tuple[str, dict[str, Any], str, str], ...] = ()
+    #: (cache key, text) of each fresh answer of a routed stage: its student's training set grows.
+    texts: tuple[tuple[str, str], ...] = ()
+    #: Shadow checks: (student id, stage, cache key, student's label, the LLM's label).
+    checks: tuple[tuple[int, str, str, str, str], ...] = ()
     #: The message's original bytes: what a ``store_rejected`` dead letter keeps if the store
     #: refuses this outcome.
     payload: bytes = b""

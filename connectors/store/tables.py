@@ -88,6 +88,8 @@ stage_results = Table(
     Column("system_fingerprint", String(200)),
     _now(),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    #: NULL: the model's answer (or its cache's); "student:<id>": a router's student answered.
+    Column("answered_by", String(64)),
     UniqueConstraint("pipeline", "tenant", "doc_key", "stage", name="uq_stage_results_doc_stage"),
     Index("ix_stage_results_doc_key", "pipeline", "doc_key"),  # the redelivery look-up
 )
@@ -296,6 +298,71 @@ llm_batch_items = Table(
     Index("ix_llm_batch_items_custom_id", "custom_id"),
 )
 
+# -- the router (etl.quality.router) ----------------------------------------------------------
+
+#: The text behind each cached answer of a routed Classify stage: with ``llm_cache`` (by key) the
+#: stage's training set. Written only for stages with a router (the text is the user's data).
+cache_texts = Table(
+    "cache_texts",
+    metadata,
+    Column("cache_key", String(64), primary_key=True),
+    Column("tenant", String(200), nullable=False),
+    Column("content", Text, nullable=False),
+    _now(),
+)
+
+#: Students distilled from a stage's answers: one tenant's, one fingerprint's, as plain data.
+students = Table(
+    "students",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("pipeline", String(200), nullable=False),
+    Column("stage", String(200), nullable=False),
+    Column("tenant", String(200), nullable=False),
+    Column("fingerprint", String(64), nullable=False),
+    Column("version", Integer, nullable=False),  # 1, 2, ... per pipeline × stage × tenant
+    #: active | refused (the gate said no) | off (shadow checks switched it off) | retired (replaced)
+    Column("status", String(20), nullable=False),
+    Column("reason", Text, nullable=False),
+    Column("trained_on", Integer, nullable=False),  # LLM answers it learned from
+    Column("holdout", String(20), nullable=False),  # golden | llm: what certified the threshold
+    Column("threshold", Float),
+    Column("target", Float, nullable=False),
+    Column("level", Float, nullable=False),
+    Column("certified_on", Integer, nullable=False),  # documents in the holdout
+    Column("covered", Integer, nullable=False),
+    Column("correct", Integer, nullable=False),
+    Column("lower_bound", Float, nullable=False),
+    #: Agreement with the LLM above the threshold on held-out LLM answers: what shadow checks hold it to.
+    Column("agreement", Float, nullable=False),
+    Column("agreement_lb", Float, nullable=False),
+    Column("agreement_n", Integer, nullable=False),
+    Column("mean_cost", Float, nullable=False),  # the LLM's mean cost per answer: what an answer saves
+    Column("spec", Json, nullable=False),  # classes, features, vocabularies, array layout
+    Column("weights", LargeBinary, nullable=False),  # little-endian floats, as ``spec`` lays them out
+    _now(),
+    Column("closed_at", DateTime(timezone=True)),
+    Index("ix_students_live", "pipeline", "status"),
+)
+
+#: Shadow checks: a student-answered document also asked of the LLM, and whether they agreed.
+router_checks = Table(
+    "router_checks",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("student_id", BigInteger, nullable=False),
+    Column("pipeline", String(200), nullable=False),
+    Column("tenant", String(200), nullable=False),
+    Column("stage", String(200), nullable=False),
+    Column("doc_key", String(500), nullable=False),
+    Column("cache_key", String(64), nullable=False),
+    Column("student_label", Text, nullable=False),
+    Column("llm_label", Text, nullable=False),
+    Column("agree", Boolean, nullable=False),
+    _now(),
+    UniqueConstraint("student_id", "cache_key", name="uq_router_checks"),
+)
+
 # -- access ----------------------------------------------------------------------------------
 
 #: Which tenants each analyst login may read (PostgreSQL only; see ``connectors.store.security``).
@@ -310,7 +377,8 @@ analyst_grants = Table(
 
 #: Tables with a tenant column: row-level security for analysts applies to each (PostgreSQL).
 TENANT_TABLES = ("documents", "stage_results", "llm_cache", "llm_calls", "dead_letters", "golden_examples",
-                 "eval_runs", "eval_results", "drift_alerts", "review_queue")
+                 "eval_runs", "eval_results", "drift_alerts", "review_queue", "cache_texts", "students",
+                 "router_checks")
 
 _SCALARS: dict[Any, Any] = {
     str: Text,

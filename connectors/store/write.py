@@ -43,12 +43,14 @@ from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalErr
 from connectors.store.base import Batch, DocRef, DocumentOutcome, Version
 from connectors.store.tables import (
     TYPED_KEY_COLUMNS,
+    cache_texts,
     dead_letters,
     documents,
     llm_cache,
     llm_calls,
     llm_claims,
     review_queue,
+    router_checks,
     source_positions,
     stage_results,
 )
@@ -210,6 +212,14 @@ class BatchWriter:
         self._replace_results(conn, pipeline, winners, inserted)
         cache = {entry.cache_key: vars(entry) for o in batch.outcomes for entry in o.cache}
         upsert(conn, llm_cache, list(cache.values()), ("cache_key",), None)
+        texts = {key: {"cache_key": key, "tenant": o.document.tenant, "content": content}
+                 for o in batch.outcomes if o.document is not None for key, content in o.texts}
+        upsert(conn, cache_texts, list(texts.values()), ("cache_key",), None)
+        checks = {(sid, key): {"student_id": sid, "pipeline": pipeline, "tenant": o.document.tenant, "stage": stage,
+                               "doc_key": o.document.key, "cache_key": key, "student_label": mine,
+                               "llm_label": theirs, "agree": mine == theirs}
+                  for o in batch.outcomes if o.document is not None for sid, stage, key, mine, theirs in o.checks}
+        upsert(conn, router_checks, list(checks.values()), ("student_id", "cache_key"), None)
         # Waiters on one failed call share its attempts: each attempt is written once, by its id.
         calls = {c.call_id: {"pipeline": pipeline, **c.model_dump()} for o in batch.outcomes for c in o.calls}
         # Attempts keep their order (ids follow time); their ids are their own, never contended.
@@ -415,6 +425,7 @@ def rejected(outcome: DocumentOutcome, error: BaseException, *, keep_paid_work: 
     return DocumentOutcome(
         document=doc if keep_paid_work else None, dead_letter=letter, settles_dead_letters=True,
         calls=outcome.calls if keep_paid_work else (), cache=outcome.cache if keep_paid_work else (),
+        texts=outcome.texts if keep_paid_work else (),
         payload=outcome.payload)
 
 

@@ -17,6 +17,7 @@ from rich.table import Table
 from etl.cli.access import register as register_access
 from etl.cli.batches import register as register_batches
 from etl.cli.quality import register as register_quality
+from etl.cli.router import register as register_router
 from etl.cli.support import DbOption, PipelineArg, console, out, table_of
 from etl.cli.support import fail as _fail
 from etl.cli.support import safe_url as _safe
@@ -178,6 +179,7 @@ def _summary(name: str, url: str, stats: Any) -> None:
         ("  from cache", f"{stats.cache_hits}"),
         ("older versions (no-op)", f"{stats.older_versions}"),
         ("LLM calls", f"{stats.llm_calls}"),
+        *([("answered by students", f"{stats.student_answers}")] if stats.student_answers else []),
         ("cache hit rate", f"{stats.hit_rate:.1%}"),
         ("results written", f"{stats.results_written}"),
         ("dead letters", f"{stats.dead_letters}"),
@@ -283,6 +285,7 @@ def db_upgrade(pipeline: SchemaPipelineArg = None, db: DbOption = None) -> None:
 
 
 register_quality(app)
+register_router(app)
 register_access(app)
 register_batches(app)
 

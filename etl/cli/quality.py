@@ -65,6 +65,14 @@ def evaluate(pipeline: PipelineArg, stage: Annotated[str | None, typer.Option(he
         {"tenant": r["tenant"], "stage": r["stage"], "model": r["model"], "fingerprint": r["fingerprint"][:12],
          "examples": r["examples"], "failed": r["failed"], "accuracy": r["accuracy"], "macro_f1": r["macro_f1"]}
         for r in runs]))
+    scored = [r for r in runs if "student" in r["details"]]
+    if scored:
+        out.print(table_of("Students on the same golden set", [
+            {"tenant": r["tenant"], "stage": r["stage"], "student": r["details"]["student"]["student"],
+             "coverage": r["details"]["student"]["coverage"], "accuracy": r["details"]["student"]["accuracy"],
+             "accuracy_when_sure": r["details"]["student"]["accuracy_when_sure"],
+             "routed_accuracy": r["details"]["student"]["routed_accuracy"], "llm_accuracy": r["accuracy"]}
+            for r in scored]))
 
 
 def drift(pipeline: Annotated[str, typer.Option(help="The pipeline's name.")],
@@ -88,7 +96,8 @@ def quality(tenant: TenantOption = None,
             pipeline: Annotated[str | None, typer.Option(help="Only this pipeline (by name).")] = None,
             db: DbOption = None) -> None:
     """Per tenant × stage × model × day: calls, cache hit rate, failure rates by layer, latency
-    percentiles, tokens, spend and savings (the quality_daily view)."""
+    percentiles, tokens, spend and savings (the quality_daily view); and what routed stages' students
+    answered instead of the model, with their shadow checks (the router_daily view)."""
     engine, _ = store_engine(db)
     where, params = ["1 = 1"], {}  # type: list[str], dict[str, Any]
     for column, value in (("tenant", tenant), ("pipeline", pipeline)):
@@ -104,8 +113,21 @@ def quality(tenant: TenantOption = None,
         if engine.dialect.name != "postgresql":
             for row in rows:
                 row.update(_percentiles(conn, row))
-    if not rows:
+    with engine.connect() as conn:
+        routed = [dict(r) for r in conn.execute(text(
+            f"SELECT * FROM router_daily WHERE {' AND '.join(where)} ORDER BY day, pipeline, tenant, stage"), params)
+            .mappings()]
+    if not rows and not routed:
         out.print("no model calls recorded yet")
+        return
+    if routed:
+        out.print(table_of("Router per tenant, stage and day (students' answers are calls avoided)", [
+            {"day": str(r["day"]), "pipeline": r["pipeline"], "tenant": r["tenant"], "stage": r["stage"],
+             "calls_avoided": int(r["student_answers"] or 0), "saved": float(r["saved"] or 0.0),
+             "shadow_checks": int(r["shadow_checks"] or 0),
+             "shadow_agreement": (int(r["shadow_agreed"]) / int(r["shadow_checks"])) if r["shadow_checks"] else None}
+            for r in routed]))
+    if not rows:
         return
     keep = ("day", "pipeline", "tenant", "stage", "model", "stage_runs", "llm_calls", "cache_hit_rate",
             "failure_rate", "schema_invalid_rate", "semantic_invalid_rate", "refusal_rate", "truncation_rate",

@@ -160,6 +160,12 @@ def _record(engine: Engine, pipeline: str, tenant: str, stage: Any, plan: StageP
         scores = classification_scores([e["label"] for e in expected], [p["label"] if p else None for p in predicted])
         correct = [p is not None and p["label"] == e["label"] for e, p in zip(expected, predicted, strict=True)]
         details: dict[str, Any] = {"confusions": scores["confusions"]}
+        from etl.quality.router import score_student  # noqa: PLC0415
+
+        student = score_student(engine, pipeline, tenant, stage, plan.fingerprint, items,
+                                [p["label"] if p else None for p in predicted])
+        if student is not None:
+            details["student"] = student
     else:
         scores = extraction_scores(expected, predicted)
         correct = [extraction_scores([e], [p])["accuracy"] == 1.0 for e, p in zip(expected, predicted, strict=True)]

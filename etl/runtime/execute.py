@@ -28,6 +28,7 @@ from etl.runtime.calls import (
 from etl.runtime.decode import Decoded
 from etl.storable import storable_text
 from etl.stages import Extract, Stage
+from etl.quality.router import Live, Students
 from etl.tenancy import ReviewSampling
 from schemas import CallRecord, DeadLetter, Document, Provenance, StageResult
 
@@ -45,13 +46,16 @@ class Tally:
     cache_hits: int = 0
     llm_calls: int = 0
     saved_cost: float = 0.0
+    #: Stage runs a router's student answered (no model call).
+    student_answers: int = 0
 
 
 class Executor:
     """Runs the stages of a pipeline for one document at a time (many concurrently)."""
 
     def __init__(self, plans_for: Callable[[str], Sequence[StagePlan]], calls: ModelCalls | None = None,
-                 retry_dead_letters: bool = False, review: ReviewSampling | None = None) -> None:
+                 retry_dead_letters: bool = False, review: ReviewSampling | None = None,
+                 students: Students | None = None) -> None:
         #: The stages a tenant runs, each with its model and hashes (tenant overrides included).
         self.plans_for = plans_for
         self.calls = calls or ModelCalls()
@@ -63,6 +67,8 @@ class Executor:
         self._about_plans: dict[int, tuple[Sequence[StagePlan], tuple[list[str], list[str], bool]]] = {}
         #: ``etl dlq replay``: quarantined documents are retried instead of being no-ops.
         self.retry_dead_letters = retry_dead_letters
+        #: The routed stages' active students (see ``etl.quality.router``), if any stage has a router.
+        self.students = students
 
     def keys(self, document: Decoded | Document) -> list[str]:
         """The document's cache key for each of its tenant's stages, in plan order."""
@@ -187,6 +193,17 @@ class Executor:
             entry = None if fresh else entry
             shared = entry is not None
             computed: Computed | None = None
+            shadow: tuple[Live, str] | None = None
+            if entry is None and self.students is not None and (
+                    live := self.students.active(document.tenant, stage.name, plan.fingerprint)) is not None:
+                answered = live.answer(stage, document.content)
+                if answered is not None and not live.router.shadowed(key):
+                    self._student_result(live, plan, key, answered[0], work, tally)
+                    outputs[stage.name] = answered[0]
+                    self._sample_review(document, stage.name, work.results[-1].output, work)
+                    continue
+                if answered is not None:
+                    shadow = (live, answered[1])  # also asked of the LLM, whose answer is stored
             if entry is None:
                 compute = functools.partial(self.calls.compute if fresh else self.calls.claim_or_wait, plan, document,
                                             key)
@@ -223,6 +240,12 @@ class Executor:
                 work.calls.extend(computed.calls)
                 work.cache.append(entry)
                 attempts, latency = computed.attempts, computed.latency_ms
+                if getattr(stage, "router", None) is not None:
+                    work.texts.append((key, document.content))  # the next student's training set
+                if shadow is not None and self.students is not None:
+                    live, mine = shadow
+                    work.checks.append((live.id, stage.name, key, mine, entry.output["label"]))
+                    self.students.observe(live, mine == entry.output["label"])
             work.stages.append(stage.name)
             work.results.append(StageResult(
                 stage=stage.name,
@@ -237,16 +260,32 @@ class Executor:
             ))
             if isinstance(stage, Extract):
                 work.typed.append((stage.table, {**output.model_dump(), "cache_key": key}))
-            if self.review is not None and (why := self.review.reason(
-                    document.tenant, stage.name, document.key, entry.output, self.seen_labels)):
-                work.reviews.append((stage.name, entry.output, why, document.content if self.review.store_text else ""))
+            self._sample_review(document, stage.name, entry.output, work)
         # Stored results of stages that no longer apply (a when= that now says no) go too.
         stale = sum((*ref, plan.stage.name) in lookup.results for plan in plans) > stored_stages
         if not work.results and not settles and not stale:
             return DocumentOutcome(document=None)
         return DocumentOutcome(document=document, results=tuple(work.results), stages=tuple(work.stages),
                                typed_rows=tuple(work.typed), calls=tuple(work.calls), cache=tuple(work.cache),
-                               settles_dead_letters=settles, reviews=tuple(work.reviews), payload=payload)
+                               settles_dead_letters=settles, reviews=tuple(work.reviews), payload=payload,
+                               texts=tuple(work.texts), checks=tuple(work.checks))
+
+    def _sample_review(self, document: Document, stage: str, output: dict[str, Any], work: _Work) -> None:
+        if self.review is not None and (why := self.review.reason(
+                document.tenant, stage, document.key, output, self.seen_labels)):
+            work.reviews.append((stage, output, why, document.content if self.review.store_text else ""))
+
+    @staticmethod
+    def _student_result(live: Live, plan: StagePlan, key: str, output: BaseModel, work: _Work, tally: Tally) -> None:
+        """The student's answer as the stage's result: provenance says who answered; it costs
+        nothing and saves what the model's answers cost on average. Not a cache entry."""
+        tally.student_answers += 1
+        tally.saved_cost += live.mean_cost
+        work.stages.append(plan.stage.name)
+        work.results.append(StageResult(stage=plan.stage.name, output=output.model_dump(mode="json"), provenance=Provenance(
+            fingerprint=plan.fingerprint, cache_key=key, model=live.answered_by, prompt_hash=plan.prompt_hash,
+            schema_hash=plan.schema_hash, cache_hit=False, attempts=0, tokens_in=0, tokens_out=0, cost=0.0,
+            latency_ms=0.0, answered_by=live.answered_by)))
 
     @staticmethod
     def _dead(document: Document, payload: bytes, stage: str | None, key: str | None, reason: str, detail: str,
@@ -257,7 +296,8 @@ class Executor:
                             raw_output=None if raw is None else storable_text(raw))
         return DocumentOutcome(document=document, results=tuple(work.results), stages=tuple(work.stages),
                                typed_rows=tuple(work.typed), calls=tuple(work.calls), cache=tuple(work.cache),
-                               dead_letter=letter, settles_dead_letters=settles, payload=payload)
+                               dead_letter=letter, settles_dead_letters=settles, payload=payload,
+                               texts=tuple(work.texts), checks=tuple(work.checks))
 
 
 def _revalidated(stage: Stage, output: dict[str, Any]) -> BaseModel | None:
@@ -281,3 +321,5 @@ class _Work:
     calls: list[CallRecord] = dataclasses.field(default_factory=list)
     cache: list[CacheEntry] = dataclasses.field(default_factory=list)
     reviews: list[tuple[str, dict[str, Any], str, str]] = dataclasses.field(default_factory=list)
+    texts: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    checks: list[tuple[int, str, str, str, str]] = dataclasses.field(default_factory=list)

@@ -53,6 +53,7 @@ from etl.llm.base import LLM
 from etl.log import get_logger
 from etl.metrics import Metrics
 from etl.pipeline import Pipeline
+from etl.quality.router import Students
 from etl.runtime.decode import Decoded
 from etl.runtime.execute import Executor, ModelCalls, StagePlan, Tally
 from etl.runtime.peers import StorePeers
@@ -129,7 +130,13 @@ class Runner:
         budgets = TenantBudgets(pipeline.budgets, self._tokens_spent) if pipeline.budgets else None
         calls = ModelCalls(peers, max_attempts=settings.llm_max_attempts, max_retry_s=settings.llm_max_retry_s,
                            repairs=settings.repairs, budgets=budgets)
-        self.executor = Executor(tenant_plans, calls, retry_dead_letters=replaying_dead_letters, review=pipeline.review)
+        routers = {stage.name: stage.router for stages in (pipeline.stages, *pipeline.tenant_stages.values())
+                   for stage in stages if getattr(stage, "router", None) is not None}
+        #: Students of the routed stages (loaded at start, refreshed as the routers say).
+        self.students = Students(store.engine, pipeline.name, routers) if routers and isinstance(store, SqlStore) \
+            else None
+        self.executor = Executor(tenant_plans, calls, retry_dead_letters=replaying_dead_letters, review=pipeline.review,
+                                 students=self.students)
         self.tracker = OffsetTracker()
         self.stats = RunStats()
         # Look-ups, claims and the (one at a time) commits overlap on a server database; SQLite
@@ -237,6 +244,8 @@ class Runner:
             raise ConfigError(str(exc)) from exc
         if isinstance(self.store, SqlStore) and self.pipeline.review is not None:
             self.executor.seen_labels = await self._store(self.store.sampled_labels, self.pipeline.name)
+        if self.students is not None:
+            await self._store(self.students.load)
         await self._source(source.open, self)
         if source.dead_letter_channel:
             await self._publish_pending()  # letters a crash left between the commit and the channel
@@ -527,6 +536,11 @@ class Runner:
             await self._publish_pending()
         await self._source(source.commit, batch.positions)
         self._last_flush = time.perf_counter()
+        if self.students is not None and (self.students.pending or self.students.due()):
+            if self.students.pending:  # switch-offs are decided as checks come in; written here
+                pending, self.students.pending = self.students.pending, []
+                await self._store(self.students.flush, pending)
+            await self._store(self.students.load)
         for outcome, pending in done:
             self.stats.results_written += sum(r.provenance.cache_key not in pending.restated for r in outcome.results)
             self.stats.dead_letters += outcome.dead_letter is not None

@@ -16,6 +16,8 @@ class RunStats:
     stored_hits: int = 0
     cache_hits: int = 0
     llm_calls: int = 0
+    #: Stage runs a router's student answered instead of the model.
+    student_answers: int = 0
     results_written: int = 0
     dead_letters: int = 0
     #: Messages holding an older version of a document the store has a newer version of: no-ops.
@@ -35,4 +37,5 @@ class RunStats:
         self.stored_hits += tally.stored_hits
         self.cache_hits += tally.cache_hits
         self.llm_calls += tally.llm_calls
+        self.student_answers += tally.student_answers
         self.saved_cost += tally.saved_cost

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field, create_model
 
@@ -12,6 +12,9 @@ from etl.llm.base import LLMResponse
 from etl.stages.base import Outputs, Predicate, Stage
 from etl.validators import Validator
 from schemas import Classification
+
+if TYPE_CHECKING:
+    from etl.quality.router import Router
 
 
 class Classify(Stage):
@@ -32,6 +35,7 @@ class Classify(Stage):
         when: Predicate | None = None,
         max_tokens: int = 48,
         validators: Sequence[Validator] = (),
+        router: Router | None = None,
     ) -> None:
         labels = list(labels)
         if not labels:
@@ -43,6 +47,9 @@ class Classify(Stage):
             raise ConfigError(f"stage {name!r}: every label must be a non-empty string")
         super().__init__(name, instructions, when, max_tokens, validators)
         self.labels = labels
+        #: A distilled student answers what it is sure about (``etl distill``); not in the
+        #: fingerprint: it decides who answers, never what the model is asked.
+        self.router = router
         self._model: type[BaseModel] = create_model(
             f"{name}_classification",
             __base__=Classification,

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from connectors.store import make_engine, upgrade
 from connectors.store import security
 from connectors.store.purge import tenant_tables
-from etl import Classify, Extract, Pipeline, Receipt, run_pipeline
+from etl import Classify, Extract, Pipeline, Receipt, Router, run_pipeline
 from etl.cli import app
 from etl.quality.golden import evaluate, import_golden
 from etl.tenancy import ReviewSampling
@@ -39,10 +39,11 @@ def _answer(request: Any) -> Any:
 
 async def populate(url: str, tenants: tuple[str, ...] = TENANTS, *, store_text: bool = True) -> Pipeline:
     """Rows of every tenant in every table with a tenant column: results, typed rows, cache,
-    calls, dead letters, review items, golden examples, evals, drift alerts."""
+    calls, dead letters, review items, golden examples, evals, drift alerts, the router's texts,
+    students and shadow checks."""
     docs = [{"id": f"{t}{i}", "tenant": t, "text": f"{t} ticket {i}"} for i in range(30) for t in tenants]
     docs += [{"id": f"bad-{t}", "tenant": t, "text": f"{t} [fault]"} for t in tenants]
-    p = Pipeline("support", ListSource(docs), [Classify(LABELS, "Route."), Extract(Receipt, "Extract.")],
+    p = Pipeline("support", ListSource(docs), [Classify(LABELS, "Route.", router=Router()), Extract(Receipt, "Extract.")],
                  store=url, review=ReviewSampling(rate=0.5, store_text=store_text))
     await run_pipeline(p, llm=FakeLLM(answer=_answer))
     engine = make_engine(url)
@@ -56,6 +57,14 @@ async def populate(url: str, tenants: tuple[str, ...] = TENANTS, *, store_text: 
                 conn.execute(text("INSERT INTO drift_alerts (pipeline, tenant, stage, metric, baseline, recent, score, "
                                   "threshold, \"window\") VALUES ('support', :t, 'classify', 'label_psi', 0, 0, 1, 0.2, 10)"),
                              {"t": tenant})
+                sid = conn.execute(text(
+                    "INSERT INTO students (pipeline, stage, tenant, fingerprint, version, status, reason, trained_on, "
+                    "holdout, target, level, certified_on, covered, correct, lower_bound, agreement, agreement_lb, "
+                    "agreement_n, mean_cost, spec, weights) VALUES ('support', 'classify', :t, 'f', 1, 'refused', 'r', "
+                    "0, 'llm', 0.9, 0.95, 0, 0, 0, 0, 0, 0, 0, 0, '{}', '') RETURNING id"), {"t": tenant}).scalar_one()
+                conn.execute(text("INSERT INTO router_checks (student_id, pipeline, tenant, stage, doc_key, cache_key, "
+                                  "student_label, llm_label, agree) VALUES (:s, 'support', :t, 'classify', 'd', 'k', "
+                                  "'billing', 'billing', true)"), {"s": sid, "t": tenant})
     finally:
         engine.dispose()
     return p
@@ -135,7 +144,7 @@ async def test_analysts_read_exactly_the_tenants_granted_to_them(postgres_url: s
     # every relation with tenant rows: core tables, the typed table, the views
     with make_engine(url).connect() as conn:
         tables = security.protected_tables(conn)
-    relations = [*tables, "quality_daily", "eval_trend"]
+    relations = [*tables, "quality_daily", "eval_trend", "router_daily"]
     assert "receipt" in tables and {"documents", "review_queue", "dead_letters"} <= set(tables)
     owner = {r: set(n) for r, n in tenants_per_table(url, relations).items()}
     assert all(t == set(TENANTS) for t in owner.values()), owner  # both tenants have rows everywhere
@@ -283,7 +292,8 @@ async def test_migrations_need_no_createrole(postgres_url: str, monkeypatch: pyt
                                             f"WHERE grantee = '{group}' AND privilege_type = 'SELECT'")}
         assert granted == {"documents", "stage_results", "llm_cache", "llm_calls", "dead_letters", "golden_examples",
                            "eval_runs", "eval_results", "drift_alerts", "review_queue", "receipt", "analyst_grants",
-                           "quality_daily", "eval_trend"}, granted
+                           "quality_daily", "eval_trend", "cache_texts", "students", "router_checks",
+                           "router_daily"}, granted
     finally:
         with admin.begin() as conn:
             conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
