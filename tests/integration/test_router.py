@@ -14,7 +14,6 @@ import random
 from pathlib import Path
 from typing import Any
 
-import pytest
 from sqlalchemy import create_engine
 
 from etl import Classify, ListSource, Pipeline, Router
