@@ -78,7 +78,10 @@ def evaluate(pipeline: PipelineArg, stage: Annotated[str | None, typer.Option(he
 def drift(pipeline: Annotated[str, typer.Option(help="The pipeline's name.")],
           window: Annotated[int, typer.Option(help="Results per window (recent vs first).")] = 200,
           db: DbOption = None) -> None:
-    """Compare each tenant and stage's latest window of results with its first; record alerts."""
+    """Compare each tenant and stage's latest window of results with its first; record alerts.
+
+    label_shift's score is -log10 of a permutation test's p-value (3: p < 0.001), valid for small
+    windows over many labels; the other metrics' scores are changes between the windows."""
     from etl.quality.drift import detect  # noqa: PLC0415
 
     engine, _ = store_engine(db)

@@ -2,31 +2,36 @@
 
 A provider can change a model behind the same name; the outputs tell. Per tenant × stage, the
 latest ``window`` results are compared with the first ``window`` (the baseline): label
-distribution (PSI), output length, empty-field rate; and, over model attempts, the
-validation-failure and refusal rates. Crossing a threshold writes a ``drift_alerts`` row and logs a
-structlog warning.
+distribution (a G-test, see :func:`label_shift`), output length, empty-field rate; and, over model
+attempts, the validation-failure and refusal rates. Crossing a threshold writes a ``drift_alerts``
+row and logs a structlog warning.
+
+An alert means score > threshold for every metric. For ``label_shift`` the score is −log10 of a
+p-value and the threshold −log10 of the significance level (3: p < 0.001), so it is sample-size
+aware; the other metrics compare a fixed change, whatever the window.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from sqlalchemy import Engine, func, insert, select
 
 from connectors.store.tables import drift_alerts, llm_calls, stage_results
 from etl.log import get_logger
-from etl.quality.scoring import psi
 
 log = get_logger("etl.quality.drift")
 
 
 @dataclass(frozen=True)
 class Thresholds:
-    label_psi: float = 0.2
+    label_alpha: float = 0.001  # significance level of label_shift's permutation test
     output_length_change: float = 0.5  # relative
     empty_field_rate: float = 0.2  # absolute change
     validation_failure_rate: float = 0.1
@@ -63,6 +68,49 @@ def _window_metrics(outputs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _xlogx(x: np.ndarray) -> np.ndarray:
+    return x * np.log(np.where(x > 0, x, 1))
+
+
+def label_shift(baseline: Mapping[str, int] | Sequence[str], recent: Mapping[str, int] | Sequence[str],
+                permutations: int = 3999, seed: int = 0) -> tuple[float, str]:
+    """(p, label): has the label mix of ``recent`` moved from ``baseline``? and the label that moved most.
+
+    Two likelihood-ratio statistics over the 2 × labels table of counts: the G-test of
+    homogeneity (sensitive to many small moves) and the largest one-label G (label j against the
+    rest: sensitive to one label's share moving, which the first spreads over all labels' degrees
+    of freedom). Why not PSI or the chi-square law: over many labels and a small window most
+    counts are 0 or 1, where PSI's floor turns sampling noise into scores of 3 to 5 and G is far
+    from chi-square. Under "no drift" the two windows are one pool of labels split at random, so
+    the baseline's counts are a multivariate hypergeometric draw from the pooled counts: each
+    statistic is compared with ``permutations`` such splits (seeded: the same windows give the same
+    p), p_s = (1 + #{split >= observed}) / (1 + permutations), and p = min(1, 2 min(p_G, p_max))
+    (Bonferroni over the two). p is never below 2 / (1 + permutations).
+    """
+    b, r = Counter(baseline), Counter(recent)
+    labels = list(dict.fromkeys([*b, *r]))  # insertion order, not hash order: a seeded p must not vary
+    base = np.array([b[label] for label in labels], dtype=np.int64)
+    pooled = base + np.array([r[label] for label in labels], dtype=np.int64)
+    n, total = int(base.sum()), int(pooled.sum())
+    if not n or n == total:
+        return 1.0, ""
+    # "count" costs O(total) per split, "marginals" O(labels) with steps about 16 times dearer
+    splits = np.random.default_rng(seed).multivariate_hypergeometric(
+        pooled, n, size=permutations, method="count" if total <= 16 * len(labels) else "marginals")
+    cells = np.vstack([base, splits])  # row 0: the observed split
+    # with the margins fixed, G = 2 Σ O ln O + const and each one-label G_j = 2 (x ln x + (n−x) ln(n−x)
+    # + (m−x) ln(m−x) + (N−n−m+x) ln(N−n−m+x)) + const_j: only the parts that vary are computed
+    omnibus = (_xlogx(cells) + _xlogx(pooled - cells)).sum(-1)
+    rest = total - n - pooled + cells
+    one = _xlogx(cells) + _xlogx(n - cells) + _xlogx(pooled - cells) + _xlogx(rest)
+    one -= _xlogx(pooled) + _xlogx(total - pooled) - _xlogx(np.array(total))  # comparable across labels
+    top = one.max(-1)
+    ties = 1e-9  # floating sums of the same counts in another order: equal is as extreme
+    p_g = (1 + int((omnibus[1:] >= omnibus[0] - ties).sum())) / (1 + permutations)
+    p_max = (1 + int((top[1:] >= top[0] - ties).sum())) / (1 + permutations)
+    return min(1.0, 2 * min(p_g, p_max)), labels[int(one[0].argmax())]
+
+
 def _rate(rows: Sequence[tuple[str, str | None]], errors: set[str]) -> float:
     attempts = [e for outcome, e in rows if outcome != "cache_hit"]
     return sum(e in errors for e in attempts) / len(attempts) if attempts else 0.0
@@ -86,11 +134,13 @@ def detect(engine: Engine, pipeline: str, window: int = 200, thresholds: Thresho
                 continue
             b, r = _window_metrics(first), _window_metrics(last)
             found = []
-            if b["labels"] or r["labels"]:
-                # baseline/recent: the share of the baseline's most common label in each window
-                top = b["labels"].most_common(1)[0][0] if b["labels"] else ""
-                found.append(("label_psi", b["labels"][top] / len(first), r["labels"][top] / len(last),
-                              psi(b["labels"], r["labels"]), thresholds.label_psi))
+            if b["labels"] and r["labels"]:
+                # baseline/recent: the share, in each window, of the label that moved most; the
+                # p-value's floor 2 / (1 + B) is kept at alpha / 2, so that any alpha can be reached
+                p, moved = label_shift(b["labels"], r["labels"], max(3999, int(4 / thresholds.label_alpha) - 1))
+                found.append(("label_shift", b["labels"][moved] / len(first), r["labels"][moved] / len(last),
+                              -math.log10(p), -math.log10(thresholds.label_alpha)))
+            # the metrics below compare a fixed change, whatever the window: not yet sample-size aware
             change = abs(r["length"] - b["length"]) / b["length"] if b["length"] else 0.0
             found.append(("output_length", b["length"], r["length"], change, thresholds.output_length_change))
             found.append(("empty_field_rate", b["empty"], r["empty"], abs(r["empty"] - b["empty"]),

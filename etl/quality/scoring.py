@@ -1,8 +1,7 @@
-"""Metric math, pure: accuracy, macro-F1, confusion pairs, field matches, PSI. No I/O."""
+"""Metric math, pure: accuracy, macro-F1, confusion pairs, field matches. No I/O."""
 
 from __future__ import annotations
 
-import math
 import re
 import unicodedata
 from collections import Counter
@@ -72,15 +71,3 @@ def extraction_scores(expected: Sequence[Mapping[str, Any]], predicted: Sequence
         "accuracy": all_match / n if n else 0.0,
         "fields": {f: {"exact": exact[f] / n, "normalized": normalized[f] / n} for f in fields} if n else {},
     }
-
-
-def psi(baseline: Mapping[str, int], recent: Mapping[str, int], floor: float = 1e-4) -> float:
-    """Population stability index between two label distributions (0: same; > 0.2: shifted)."""
-    b_total = sum(baseline.values()) or 1
-    r_total = sum(recent.values()) or 1
-    score = 0.0
-    for label in set(baseline) | set(recent):
-        b = max(baseline.get(label, 0) / b_total, floor)
-        r = max(recent.get(label, 0) / r_total, floor)
-        score += (r - b) * math.log(r / b)
-    return score

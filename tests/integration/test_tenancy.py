@@ -55,7 +55,7 @@ async def populate(url: str, tenants: tuple[str, ...] = TENANTS, *, store_text: 
         with engine.begin() as conn:
             for tenant in tenants:
                 conn.execute(text("INSERT INTO drift_alerts (pipeline, tenant, stage, metric, baseline, recent, score, "
-                                  "threshold, \"window\") VALUES ('support', :t, 'classify', 'label_psi', 0, 0, 1, 0.2, 10)"),
+                                  "threshold, \"window\") VALUES ('support', :t, 'classify', 'label_shift', 0, 0, 1, 3, 10)"),
                              {"t": tenant})
                 sid = conn.execute(text(
                     "INSERT INTO students (pipeline, stage, tenant, fingerprint, version, status, reason, trained_on, "

@@ -54,12 +54,12 @@ def populate(engine: Engine) -> None:
              "accuracy": 0.5, "macro_f1": None, "created_at": T0},
         ])
         conn.execute(insert(drift_alerts), [
-            {**drift, "pipeline": "p1", "tenant": "acme", "metric": "label_psi", "recent": 0.5, "score": 0.4,
-             "threshold": 0.2},
+            {**drift, "pipeline": "p1", "tenant": "acme", "metric": "label_shift", "recent": 0.5, "score": 4.5,
+             "threshold": 3.0},
             {**drift, "pipeline": "p1", "tenant": "globex", "metric": "refusal_rate", "recent": 0.15, "score": 0.05,
              "threshold": 0.1},
-            {**drift, "pipeline": "p2", "tenant": "initech", "metric": "label_psi", "recent": 0.9, "score": 0.8,
-             "threshold": 0.2},
+            {**drift, "pipeline": "p2", "tenant": "initech", "metric": "label_shift", "recent": 0.9, "score": 3.7,
+             "threshold": 3.0},
         ])
         conn.execute(insert(llm_calls), [{**calls, **row} for row in (
             # acme: spent 0.25 + 0.5 + 0.75 = $1.50 (the retry costs too), saved $0.50
@@ -107,7 +107,7 @@ def test_a_populated_store_renders_charts_and_exact_figures(engine: Engine, tmp_
 
     # drift: only acme's score is over its threshold, so exactly one red bar
     assert drift.count(f'fill="{ALERT}"') == 1
-    assert "0.4 / 0.2" in drift and "0.05 / 0.1" in drift
+    assert "4.5 / 3" in drift and "0.05 / 0.1" in drift
 
     # cost: spent and saved per tenant, computed from the llm_calls above
     acme, globex = table_row(cost, "acme"), table_row(cost, "globex")
@@ -116,7 +116,7 @@ def test_a_populated_store_renders_charts_and_exact_figures(engine: Engine, tmp_
     assert "50.0%" in globex  # cache hit rate: 2 of 4
 
     # the other pipeline's rows are filtered out of every section
-    assert "initech" not in page and "$9.00" not in page and "0.8 / 0.2" not in page
+    assert "initech" not in page and "$9.00" not in page and "3.7 / 3" not in page
 
 
 def test_without_a_filter_every_pipeline_shows_and_names_its_tenants(engine: Engine, tmp_path: Path) -> None:

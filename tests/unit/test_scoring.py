@@ -1,8 +1,8 @@
-"""Metric math: accuracy, macro-F1, confusions, field matches, PSI."""
+"""Metric math: accuracy, macro-F1, confusions, field matches."""
 
 import pytest
 
-from etl.quality.scoring import classification_scores, extraction_scores, normalize_value, psi
+from etl.quality.scoring import classification_scores, extraction_scores, normalize_value
 
 
 def test_classification_scores() -> None:
@@ -22,9 +22,3 @@ def test_extraction_scores_normalize_case_spacing_and_numbers() -> None:
     assert s["fields"]["total"] == {"exact": 0.0, "normalized": 1.0}
     assert normalize_value("RM 9.00") == normalize_value(9) == 9.0
 
-
-def test_psi() -> None:
-    same = {"a": 50, "b": 50}
-    assert psi(same, same) == 0.0
-    assert psi(same, {"a": 45, "b": 55}) < 0.05
-    assert psi(same, {"a": 5, "b": 5, "c": 90}) > 1.0
