@@ -101,6 +101,9 @@ class Lookup:
     #: Cache keys the document already holds at an older position (the same content again): a
     #: newer version served them from the cache without a call record (nothing was paid or saved).
     restated: frozenset[str] = frozenset()
+    #: Stored results that have no cache entry (a router's student answered them), by cache key,
+    #: as entries: a newer copy of the same content keeps them instead of asking again.
+    held: dict[str, CacheEntry] = field(default_factory=dict)
 
     def for_newer_version(self, ref: DocRef, stages: Iterable[str]) -> Lookup:
         """What a message newer than its document's stored version runs with. The stored results
@@ -111,7 +114,8 @@ class Lookup:
         held = {found[0] for stage in stages if (found := self.results.get((*ref, stage))) is not None}
         dead = self.dead.get(ref, set())
         return Lookup(results={}, dead={ref: dead}, cache=self.cache, restated=frozenset(held | dead),
-                      dead_reasons={key: self.dead_reasons[key] for key in dead if key in self.dead_reasons})
+                      dead_reasons={key: self.dead_reasons[key] for key in dead if key in self.dead_reasons},
+                      held=self.held)
 
 
 class Store(ABC):

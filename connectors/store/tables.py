@@ -343,6 +343,8 @@ students = Table(
     _now(),
     Column("closed_at", DateTime(timezone=True)),
     Index("ix_students_live", "pipeline", "status"),
+    #: Two distills at once: the second commit fails rather than making two active students.
+    Index("uq_students_version", "pipeline", "stage", "tenant", "version", unique=True),
 )
 
 #: Shadow checks: a student-answered document also asked of the LLM, and whether they agreed.

@@ -20,19 +20,23 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import random
+import re
 import time
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 from sqlalchemy import Engine, func, insert, select, update
+from sqlalchemy.exc import IntegrityError
 
 from connectors.store.tables import cache_texts, drift_alerts, eval_runs, golden_examples, llm_cache, router_checks, \
     students
 from dedup import cache_key, content_hash
-from etl.errors import ConfigError
+from etl.errors import ConfigError, EtlError
 from etl.log import get_logger
 
 if TYPE_CHECKING:  # numpy, scipy and scikit-learn load only where a student is trained or used
@@ -132,17 +136,27 @@ def _distill_one(engine: Engine, pipeline: str, stage: Any, fingerprint: str, te
             g.pipeline == pipeline, g.tenant == tenant, g.stage == stage.name).order_by(g.id)).all()
     golden = [(content, expected["label"]) for content, expected in golden
               if isinstance(expected, dict) and isinstance(expected.get("label"), str)]
-    golden_hashes = {content_hash(content) for content, _ in golden}
+    # the golden set is never trained on, nor are its near-duplicates (the same words in another case
+    # or punctuation, which the student's features barely tell apart)
+    golden_keys = {_near(content) for content, _ in golden}
     examples = [(content, output["label"], cost) for content, output, cost in answers
-                if content_hash(content) not in golden_hashes]  # the golden set is never trained on
+                if _near(content) not in golden_keys]
     base = Distilled(tenant, stage.name, fingerprint, "refused", "")
     if len(examples) < MIN_ANSWERS:
         base.reason = (f"{len(examples)} stored LLM answer(s) at fingerprint {fingerprint[:12]} (need {MIN_ANSWERS}): "
                        "run the stage with its router on first, so answers keep their text")
         return _record(engine, pipeline, base, None, None)
-    random.Random(seed).shuffle(examples)
+    # held out by groups of near-duplicates: no held-out text has a twin in training
+    groups: dict[str, list[tuple[str, str, float]]] = {}
+    for example in examples:
+        groups.setdefault(_near(example[0]), []).append(example)
+    order = sorted(groups)
+    random.Random(seed).shuffle(order)
     held = max(MIN_AGREEMENT_N * 2, min(1000, len(examples) // 10))
-    held_out, train = examples[:held], examples[held:]
+    held_out: list[tuple[str, str, float]] = []
+    train: list[tuple[str, str, float]] = []
+    for near in order:
+        (held_out if len(held_out) < held else train).extend(groups[near])
     started = time.perf_counter()
     try:
         student = Student.train([x for x, _, _ in train], [y for _, y, _ in train], seed=seed)
@@ -192,6 +206,12 @@ def _distill_one(engine: Engine, pipeline: str, stage: Any, fingerprint: str, te
     return _record(engine, pipeline, base, student, cert, sum(above), len(above))
 
 
+def _near(text: str) -> str:
+    """Texts with the same key are near-duplicates: the same words, whatever their case, accents'
+    composition, punctuation and spacing."""
+    return " ".join(re.findall(r"\w+", unicodedata.normalize("NFKC", text).casefold()))
+
+
 def _llm_accuracy(engine: Engine, pipeline: str, stage: str, tenant: str, fingerprint: str,
                   golden: Sequence[tuple[str, str]], min_golden: int) -> tuple[float | None, str]:
     """The LLM's accuracy on the golden set at this fingerprint: its stored answers to the golden
@@ -218,9 +238,19 @@ def _record(engine: Engine, pipeline: str, made: Distilled, student: Student | N
             agree: int = 0, agree_n: int = 0) -> Distilled:
     """Stores the student (refused ones too: the history says why), retiring the tenant's active
     one when this one is active; one transaction."""
+    spec, blob = student.dump() if student is not None else ({}, b"")
+    try:
+        _store_student(engine, pipeline, made, spec, blob, cert, agree, agree_n)
+    except IntegrityError as exc:  # uq_students_version: another distill of the same stage and tenant won
+        raise EtlError(f"another `etl distill` of {pipeline}/{made.stage} for tenant {made.tenant!r} stored a "
+                       "student at the same time; run it again") from exc
+    return made
+
+
+def _store_student(engine: Engine, pipeline: str, made: Distilled, spec: dict[str, Any], blob: bytes,
+                   cert: Certificate | None, agree: int, agree_n: int) -> None:
     from etl.quality.student import lower_bound  # noqa: PLC0415
 
-    spec, blob = student.dump() if student is not None else ({}, b"")
     s = students.c
     with engine.begin() as conn:
         latest = conn.execute(select(func.max(s.version)).where(
@@ -244,7 +274,6 @@ def _record(engine: Engine, pipeline: str, made: Distilled, student: Student | N
     made.row.update({k: v for k, v in row.items() if k not in ("spec", "weights")})
     log.info("distilled", pipeline=pipeline, tenant=made.tenant, stage=made.stage, status=made.status,
              version=made.version, reason=made.reason)
-    return made
 
 
 def score_student(engine: Engine, pipeline: str, tenant: str, stage: Any, fingerprint: str,
@@ -358,9 +387,12 @@ class Students:
                 if live is None:
                     spec, blob = conn.execute(select(s.spec, s.weights).where(s.id == sid)).one()
                     try:
+                        if not all(isinstance(v, int | float) and math.isfinite(v)
+                                   for v in (threshold, agreement_lb, mean_cost)):
+                            raise ValueError("an active student needs a finite threshold, agreement bound and cost")
                         model = Student.load(spec, bytes(blob))
-                    except (ValueError, KeyError, TypeError) as exc:
-                        log.warning("student_unreadable", student=sid, error=str(exc))
+                    except Exception as exc:  # a row anyone could have edited: never stops a run
+                        log.warning("student_unreadable", student=sid, error=f"{type(exc).__name__}: {exc}")
                         continue
                     router = self.routers[stage]
                     recent = conn.execute(select(router_checks.c.agree).where(router_checks.c.student_id == sid)
@@ -390,11 +422,12 @@ class Students:
         with self.engine.begin() as conn:
             for live, p, k, n in pending:
                 reason = (f"shadow agreement {k}/{n} = {k / n:.3f} over the last {n} checks is below the certified "
-                          f"{live.agreement_lb:.3f} (p = {p:.2g} < {live.router.alpha})")
+                          f"{live.agreement_lb:.3f} (p = {p:.2g} < {live.router.alpha / 2:g})")
                 hit = conn.execute(update(students).where(students.c.id == live.id, students.c.status == "active")
                                    .values(status="off", reason=reason, closed_at=func.now())).rowcount
                 if hit:
                     conn.execute(insert(drift_alerts).values(
                         pipeline=self.pipeline, tenant=live.tenant, stage=live.stage, metric="router_agreement",
-                        baseline=live.agreement_lb, recent=k / n, score=p, threshold=live.router.alpha, window=n))
+                        baseline=live.agreement_lb, recent=k / n, score=-math.log10(max(p, 1e-300)),
+                        threshold=-math.log10(live.router.alpha / 2), window=n))  # as every alert: score > threshold
         return len(pending)

@@ -150,6 +150,8 @@ class Student:
     def load(cls, spec: dict[str, Any], blob: bytes) -> Student:
         """The student from :meth:`dump`'s data. Raises ValueError if the data is not a student of
         this format (wrong shapes, types or sizes)."""
+        if not isinstance(spec, dict):
+            raise ValueError(f"student spec is a {type(spec).__name__}, not an object")
         if spec.get("format") != FORMAT:
             raise ValueError(f"student format {spec.get('format')!r}; this version reads {FORMAT}")
         arrays: dict[str, np.ndarray] = {}
@@ -166,6 +168,10 @@ class Student:
             offset = end
         if offset != len(blob):
             raise ValueError("student weights are longer than their spec says")
+        if not all(np.isfinite(a).all() for a in arrays.values()):
+            raise ValueError("student weights hold NaN or infinite values")
+        if len(spec["features"]) != len(FEATURES):
+            raise ValueError(f"student has {len(spec['features'])} feature families; this version reads {len(FEATURES)}")
         vectorizers = []
         for i, feature in enumerate(spec["features"]):
             if {k: v for k, v in feature.items() if k != "vocabulary"} != FEATURES[i]:

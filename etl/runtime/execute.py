@@ -185,7 +185,7 @@ class Executor:
                                       "`etl dlq replay` retries it", None, work, settles)
                 # Already ended as a dead letter for this content and fingerprint: a no-op too.
                 return DocumentOutcome(document=None)
-            entry = lookup.cache.get(key)
+            entry = lookup.cache.get(key) or (lookup.held.get(key) if key in lookup.restated else None)
             # A cached answer the stage's checks now refuse is asked again (without claims: a cached
             # key cannot be claimed); re-validating never stops a run.
             fresh = (stored is not None and stored[0] == key) or (
@@ -193,17 +193,18 @@ class Executor:
             entry = None if fresh else entry
             shared = entry is not None
             computed: Computed | None = None
-            shadow: tuple[Live, str] | None = None
-            if entry is None and self.students is not None and (
+            shadow: tuple[Live, tuple[BaseModel, str]] | None = None
+            # the tenant's own stage says whether it is routed (a router is not in the fingerprint)
+            if entry is None and self.students is not None and (router := getattr(stage, "router", None)) and (
                     live := self.students.active(document.tenant, stage.name, plan.fingerprint)) is not None:
                 answered = live.answer(stage, document.content)
-                if answered is not None and not live.router.shadowed(key):
+                if answered is not None and not router.shadowed(key):
                     self._student_result(live, plan, key, answered[0], work, tally)
                     outputs[stage.name] = answered[0]
                     self._sample_review(document, stage.name, work.results[-1].output, work)
                     continue
                 if answered is not None:
-                    shadow = (live, answered[1])  # also asked of the LLM, whose answer is stored
+                    shadow = (live, answered)  # also asked of the LLM, whose answer is stored
             if entry is None:
                 compute = functools.partial(self.calls.compute if fresh else self.calls.claim_or_wait, plan, document,
                                             key)
@@ -215,6 +216,11 @@ class Executor:
                                 doc_key=document.key, stream=document.position.stream,
                                 partition=document.position.partition, offset=document.position.offset)
                     work.calls.extend(failed.calls)
+                    if shadow is not None:  # only a shadow check failed: the student's answer stands, unchecked
+                        self._student_result(shadow[0], plan, key, shadow[1][0], work, tally)
+                        outputs[stage.name] = shadow[1][0]
+                        self._sample_review(document, stage.name, work.results[-1].output, work)
+                        continue
                     raw = getattr(failed.error, "raw", None)
                     return self._dead(document, payload, stage.name, key, failed.reason, str(failed.error), raw,
                                       work, settles)
@@ -243,7 +249,7 @@ class Executor:
                 if getattr(stage, "router", None) is not None:
                     work.texts.append((key, document.content))  # the next student's training set
                 if shadow is not None and self.students is not None:
-                    live, mine = shadow
+                    live, (_, mine) = shadow
                     work.checks.append((live.id, stage.name, key, mine, entry.output["label"]))
                     self.students.observe(live, mine == entry.output["label"])
             work.stages.append(stage.name)

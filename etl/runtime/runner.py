@@ -39,6 +39,7 @@ from tenacity import (
 from connectors.sources import Message, PartitionKey
 from connectors.store import (
     Batch,
+    CacheEntry,
     DocRef,
     DocumentOutcome,
     Lookup,
@@ -130,7 +131,9 @@ class Runner:
         budgets = TenantBudgets(pipeline.budgets, self._tokens_spent) if pipeline.budgets else None
         calls = ModelCalls(peers, max_attempts=settings.llm_max_attempts, max_retry_s=settings.llm_max_retry_s,
                            repairs=settings.repairs, budgets=budgets)
-        routers = {stage.name: stage.router for stages in (pipeline.stages, *pipeline.tenant_stages.values())
+        # the default stages' routers last: their checks' settings win; a tenant's own stage says
+        # whether it is routed and at what shadow rate
+        routers = {stage.name: stage.router for stages in (*pipeline.tenant_stages.values(), pipeline.stages)
                    for stage in stages if getattr(stage, "router", None) is not None}
         #: Students of the routed stages (loaded at start, refreshed as the routers say).
         self.students = Students(store.engine, pipeline.name, routers) if routers and isinstance(store, SqlStore) \
@@ -416,6 +419,15 @@ class Runner:
                   and v < (m.stream, m.partition, m.offset) for key in doc_keys if key in stored_keys]
         if reused:
             lookup.cache.update((await self._store(self.store.lookup, self.pipeline.name, [], reused)).cache)
+            # A student's answer is a stored result and no cache entry: the newer copy keeps it
+            # from the stored row (the row is not rewritten: its cache key is the same).
+            if missing := set(reused) - lookup.cache.keys():
+                refs = {(doc.tenant, doc.key) for doc, _, _, doc_keys in decoded if missing.intersection(doc_keys)}
+                rows = (await self._store(functools.partial(self.store.lookup, outputs=True), self.pipeline.name,
+                                          refs, [])).results
+                lookup.held = {key: CacheEntry(key, tenant, stage, "", output, "stored result", 0, 0, 0.0)
+                               for (tenant, _, stage), (key, output) in rows.items()
+                               if key in missing and output is not None}
         for doc, message, epoch, doc_keys in decoded:
             ref = (doc.tenant, doc.key)
             at = (message.stream, message.partition, message.offset)

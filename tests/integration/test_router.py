@@ -14,7 +14,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, text
 
 from etl import Classify, ListSource, Pipeline, Router
 from etl.quality.golden import import_golden
@@ -94,6 +94,23 @@ def test_a_student_answers_what_it_is_sure_about_and_redelivery_stays_a_no_op(st
     assert again.stored_hits == len(NEW) and again.student_answers == 0
     assert counts(store_url, TABLES) == snapshot
 
+    # The producer sends the same texts again at later positions (newer versions of the same
+    # content), and the student is off by then: the stored answers are kept, the student's too,
+    # though they have no cache entry — no call, no rewrite.
+    engine = create_engine(store_url)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE students SET status = 'off'"))
+    engine.dispose()
+    answers = "SELECT doc_key, output, answered_by FROM stage_results WHERE doc_key LIKE 'n%' ORDER BY doc_key"
+    stored = rows(store_url, answers)
+    later = ListSource([{"id": "pad", "text": "hello", "tenant": "default"}]
+                       + [{"id": f"n{i}", "text": r["text"], "tenant": "default"} for i, r in enumerate(NEW)])
+    before = len(llm.calls)
+    resent = run(Pipeline("b77", source=later, llm=llm, stages=[
+        Classify(LABELS, "Classify the banking customer's intent.", name="intent", router=Router())]), store_url)
+    assert len(llm.calls) - before == resent.llm_calls == 1  # "pad" only
+    assert resent.results_written == 1 and rows(store_url, answers) == stored
+
 
 def test_the_gate_refuses_a_student_whose_teacher_answers_at_random(sqlite_url: str) -> None:
     random_teacher = FakeLLM(simulated_labeller({}, LABELS), tokens=(450, 8))  # no gold: a label by hash
@@ -142,7 +159,7 @@ def test_shadow_checks_switch_the_student_off_when_the_llm_changes(store_url: st
     assert status == "off", reason
     alerts = rows(store_url, "SELECT metric, baseline, recent, score, threshold FROM drift_alerts")
     assert [a[0] for a in alerts] == ["router_agreement"]
-    assert alerts[0][2] < alerts[0][1] and alerts[0][3] < alerts[0][4]
+    assert alerts[0][2] < alerts[0][1] and alerts[0][3] > alerts[0][4]  # score -log10 p over -log10(alpha / 2)
     # Bounded: the checks it takes to be sure (about min_checks) over the shadowed share of the
     # student's documents, with margin; everything after goes to the LLM again.
     assert 0 < stats.student_answers <= 3 * watch.min_checks / watch.shadow_rate
@@ -152,3 +169,40 @@ def test_shadow_checks_switch_the_student_off_when_the_llm_changes(store_url: st
     # A restart does not bring it back: traffic stays with the LLM until a new student passes.
     restarted = run(pipeline(TEST[1500:1800], llm, "r", router=watch), store_url)
     assert restarted.student_answers == 0
+
+
+def test_a_tenant_without_a_router_a_failed_shadow_check_and_an_unreadable_row(sqlite_url: str) -> None:
+    """Three ways a student must step aside, or stand, without losing a document."""
+    llm = teacher()
+    student = taught(sqlite_url, llm)
+    assert student.status == "active", student.reason
+
+    # A tenant's override turns routing off: the router is not in the fingerprint, so the active
+    # student has the same key, and still must not answer for that tenant (nor keep its texts).
+    texts = counts(sqlite_url, ("cache_texts",))["cache_texts"]
+    docs = [{"id": f"o{i}", "text": r["text"], "tenant": "default"} for i, r in enumerate(NEW[:100])]
+    off = Pipeline("b77", source=ListSource(docs), llm=llm, tenant_overrides={"default": {"intent": {"router": None}}},
+                   stages=[Classify(LABELS, "Classify the banking customer's intent.", name="intent", router=Router())])
+    stats = run(off, sqlite_url)
+    assert stats.student_answers == 0 and stats.llm_calls == 100
+    assert counts(sqlite_url, ("cache_texts",))["cache_texts"] == texts
+
+    # Every LLM call fails (an answer no schema accepts), the shadow checks' too: the student's
+    # answers stand; only the documents it was not sure about end as dead letters.
+    wrong = FakeLLM(lambda request: {"label": "no such intent"}, tokens=(450, 8))
+    stats = run(pipeline(NEW[100:200], wrong, "f", router=Router(shadow_rate=1.0)), sqlite_url)
+    assert stats.student_answers > 50 and stats.dead_letters == 100 - stats.student_answers
+    assert stats.llm_calls == 2 * 100  # an ask and a repair each: every attempt is recorded and costed
+    assert counts(sqlite_url, ("router_checks",))["router_checks"] == 0  # failed checks judge nothing
+    assert rows(sqlite_url, "SELECT status FROM students") == [("active",)]
+
+    # An active row anyone could have edited (no threshold; a spec that is not an object): skipped
+    # with a log line; the documents go to the LLM.
+    engine = create_engine(sqlite_url)
+    for i, edit in enumerate(("UPDATE students SET threshold = NULL",
+                              "UPDATE students SET threshold = 0.5, spec = '[1, 2]'")):
+        with engine.begin() as conn:
+            conn.execute(text(edit))
+        stats = run(pipeline(NEW[200 + 50 * i:250 + 50 * i], llm, f"u{i}-"), sqlite_url)
+        assert stats.student_answers == 0 and stats.dead_letters == 0 and stats.llm_calls == 50
+    engine.dispose()

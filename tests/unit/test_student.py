@@ -39,10 +39,17 @@ def test_a_student_is_json_and_floats_and_loads_to_the_same_answers(student: Stu
     assert labels[:2] == ["lost_card", "transfer"]
 
 
-@pytest.mark.parametrize("tamper", ["dtype", "short", "long", "shape", "format"])
+@pytest.mark.parametrize("tamper", ["dtype", "short", "long", "shape", "format", "list", "families", "nan"])
 def test_loading_refuses_data_that_is_not_a_student_of_this_format(student: Student, tamper: str) -> None:
     spec, blob = student.dump()
-    if tamper == "dtype":
+    if tamper == "list":
+        spec = [spec]  # type: ignore[assignment]
+    elif tamper == "families":
+        spec["features"].append(spec["features"][0])
+    elif tamper == "nan":  # NaN weights would make every confidence NaN and every answer "sure"
+        assert spec["arrays"][-1]["dtype"] == "<f4"  # the intercepts, last
+        blob = blob[:-4] + np.array([np.nan], "<f4").tobytes()
+    elif tamper == "dtype":
         spec["arrays"][0]["dtype"] = "|O"  # object arrays could hold anything: never read
     elif tamper == "short":
         blob = blob[:-4]
