@@ -385,6 +385,10 @@ def machine() -> list[str]:
         pg = conn.execute(text("SHOW server_version")).scalar_one()
     versions = ", ".join(f"{p} {version(p)}" for p in ("kafka-python", "sqlalchemy", "psycopg", "pydantic",
                                                         "llama-cpp-python", "outlines"))
+    from kafka.record import util as record_util  # noqa: PLC0415
+
+    versions += (f", crc32c {version('crc32c')} (record CRCs in C, both sides)" if record_util.crc32c_c
+                 else ", record CRCs in pure Python (crc32c missing)")
     kafka = "Apache Kafka " + (ROOT / "services/kafka/pom.xml").read_text().split("<kafka.version>")[1].split("<")[0]
     return [f"- CPU: {cpu}, {os.cpu_count()} cores; memory {mem_kb / 1024 / 1024:.0f} GiB; {platform.platform()}",
             f"- Python {platform.python_version()}; {versions}",

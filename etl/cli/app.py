@@ -17,6 +17,7 @@ from rich.table import Table
 from etl.cli.access import register as register_access
 from etl.cli.batches import register as register_batches
 from etl.cli.quality import register as register_quality
+from etl.cli.retention import register as register_retention
 from etl.cli.router import register as register_router
 from etl.cli.support import DbOption, PipelineArg, console, out, table_of
 from etl.cli.support import fail as _fail
@@ -286,6 +287,7 @@ def db_upgrade(pipeline: SchemaPipelineArg = None, db: DbOption = None) -> None:
 
 register_quality(app)
 register_router(app)
+register_retention(app)
 register_access(app)
 register_batches(app)
 

@@ -78,6 +78,15 @@ class StagePlan:
         return cache_key(document.tenant, self.fingerprint, document.content_hash)
 
 
+def plans_by_tenant(pipeline: Any, llm: LLM, repairs: int) -> dict[str, list[StagePlan]]:
+    """The stage plans of each tenant configuration: ``""`` for every tenant without its own
+    (overrides or model), then each configured tenant's."""
+    return {"": [StagePlan.of(stage, llm, repairs) for stage in pipeline.stages],
+            **{tenant: [StagePlan.of(stage, pipeline.tenant_llms.get(tenant, llm), repairs)
+                        for stage in pipeline.stages_for(tenant)]
+               for tenant in sorted({*pipeline.tenant_stages, *pipeline.tenant_llms})}}
+
+
 @dataclass
 class Computed:
     """A validated output: fresh, with every attempt it took, or made by another worker."""

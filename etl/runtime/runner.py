@@ -56,6 +56,7 @@ from etl.metrics import Metrics
 from etl.pipeline import Pipeline
 from etl.quality.router import Students
 from etl.runtime.decode import Decoded
+from etl.runtime.calls import plans_by_tenant
 from etl.runtime.execute import Executor, ModelCalls, StagePlan, Tally
 from etl.runtime.peers import StorePeers
 from etl.runtime.stats import RunStats
@@ -120,10 +121,8 @@ class Runner:
             if isinstance(store, SqlStore) else None
         # One plan list per configured tenant and one shared by every other: tenants that come from
         # messages cost no memory each.
-        default = [StagePlan.of(stage, llm, settings.repairs) for stage in pipeline.stages]
-        configured = {tenant: [StagePlan.of(stage, pipeline.tenant_llms.get(tenant, llm), settings.repairs)
-                               for stage in pipeline.stages_for(tenant)]
-                      for tenant in {*pipeline.tenant_stages, *pipeline.tenant_llms}}
+        configured = plans_by_tenant(pipeline, llm, settings.repairs)
+        default = configured.pop("")
 
         def tenant_plans(tenant: str) -> list[StagePlan]:
             return configured.get(tenant, default)

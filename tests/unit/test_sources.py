@@ -48,3 +48,10 @@ def test_a_full_runner_is_delivered_nothing_and_nothing_is_skipped() -> None:
     assert source.poll(0, 0) == []
     assert [m.position.offset for m in source.poll(5, 0) or []] == [0, 1]
     assert source.poll(5, 0) is None
+
+
+def test_kafka_python_checks_record_crcs_in_c() -> None:
+    """kafka-python falls back to a pure-Python CRC-32C (~1.7x slower consumption) without crc32c."""
+    from kafka.record import util
+
+    assert util.crc32c_c is not None, "crc32c is missing: install kafka-python[crc32c]"

@@ -1,0 +1,96 @@
+"""``etl prune`` through the CLI on a real store: it removes only what no live fingerprint or
+stage can reach, call rows past their retention, and its dry run changes nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import create_engine, text
+from typer.testing import CliRunner
+
+from etl.cli import app
+from tests.helpers import counts, rows
+
+PIPELINE = """
+from pydantic import BaseModel
+from etl import Classify, Extract, Pipeline
+from etl.testing import FakeLLM
+
+class Fields(BaseModel):
+    amount: int
+
+pipeline = Pipeline({name!r}, {source!r}, [{stages}], llm=FakeLLM())
+"""
+ROUTE = "Classify(['a', 'b'], {instructions!r}, name='route')"
+FIELDS = "Extract(Fields, 'Extract.', name='fields', table='prune_fields')"
+TABLES = ("documents", "stage_results", "llm_cache", "llm_calls", "prune_fields")
+
+
+def invoke(*args: str, url: str) -> object:
+    return CliRunner().invoke(app, list(args), env={"ETL_DATABASE_URL": url})
+
+
+def write(path: Path, name: str, source: Path, *stages: str) -> str:
+    path.write_text(PIPELINE.format(name=name, source=str(source), stages=", ".join(stages)))
+    return str(path)
+
+
+def test_prune_removes_only_what_no_live_stage_uses(tmp_path: Path, store_url: str) -> None:
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(f'{{"id": "{i}", "text": "doc {i}"}}\n' for i in range(10)))
+    half = tmp_path / "half.jsonl"
+    half.write_text("".join(f'{{"id": "{i}", "text": "doc {i}"}}\n' for i in range(5)))
+    v1 = write(tmp_path / "v1.py", "p", docs, ROUTE.format(instructions="Pick one."), FIELDS)
+    assert invoke("run", v1, url=store_url).exit_code == 0  # type: ignore[attr-defined]
+    # Version 2: a new prompt for route, no fields stage; run over half of the documents.
+    v2 = write(tmp_path / "v2.py", "p", half, ROUTE.format(instructions="Pick one, carefully."))
+    assert invoke("run", v2, url=store_url).exit_code == 0  # type: ignore[attr-defined]
+    # Another pipeline in the same store, whose rows prune must not touch.
+    other = write(tmp_path / "other.py", "q", docs, ROUTE.format(instructions="Choose."))
+    assert invoke("run", other, url=store_url).exit_code == 0  # type: ignore[attr-defined]
+    engine = create_engine(store_url)
+    with engine.begin() as conn:  # two of p's call rows are old
+        conn.execute(text("UPDATE llm_calls SET created_at = :old WHERE id IN "
+                          "(SELECT id FROM llm_calls WHERE pipeline = 'p' ORDER BY id LIMIT 2)"),
+                     {"old": "2020-01-01 00:00:00+00:00"})
+    engine.dispose()
+
+    refused = invoke("prune", v2, "--dry-run", url=store_url)
+    assert refused.exit_code == 1 and "also holds pipeline(s) q" in refused.output  # type: ignore[attr-defined]
+
+    before = counts(store_url, TABLES)
+    dry = invoke("prune", v2, other, "--dry-run", "--retention-days", "30", url=store_url)
+    assert dry.exit_code == 0, dry.output  # type: ignore[attr-defined]
+    assert "dry run: nothing deleted" in dry.output  # type: ignore[attr-defined]
+    assert "5 result(s) of live stages at an older fingerprint are kept" in dry.output  # type: ignore[attr-defined]
+    assert counts(store_url, TABLES) == before
+
+    # What no live stage uses: v1's route and fields entries (10 + 10); fields results of the 5
+    # documents v2 did not process again (v2's own run deleted the other 5, but not their typed rows,
+    # its pipeline no longer knowing the table); kept: v1's route results of those 5.
+    assert rows(store_url, "SELECT count(*) FROM stage_results WHERE stage = 'fields'") == [(5,)]
+    assert before["prune_fields"] == 10
+    done = invoke("prune", v2, other, "--yes", "--retention-days", "30", url=store_url)
+    assert done.exit_code == 0, done.output  # type: ignore[attr-defined]
+    after = counts(store_url, TABLES)
+    assert after["llm_cache"] == before["llm_cache"] - 20 == 15  # v2's 5 route entries and q's 10 stay
+    assert after["prune_fields"] == 0 and after["stage_results"] == before["stage_results"] - 5
+    assert after["llm_calls"] == before["llm_calls"] - 2 and after["documents"] == before["documents"]
+    assert rows(store_url, "SELECT count(*) FROM stage_results WHERE pipeline = 'q'") == [(10,)]
+
+    # What is live still serves: both pipelines re-run without a model call or a row.
+    for path in (v2, other):
+        again = invoke("run", path, url=store_url)
+        assert again.exit_code == 0, again.output  # type: ignore[attr-defined]
+    assert counts(store_url, TABLES) == after  # a model call would have added an llm_calls row
+    # and the live cache entries answer new documents with the same texts: no model call.
+    paid = "SELECT count(*) FROM llm_calls WHERE outcome <> 'cache_hit'"
+    spent = rows(store_url, paid)
+    copies = tmp_path / "copies.jsonl"
+    copies.write_text("".join(f'{{"id": "copy-{i}", "text": "doc {i}"}}\n' for i in range(5)))
+    v2_copies = write(tmp_path / "v2c.py", "p", copies, ROUTE.format(instructions="Pick one, carefully."))
+    assert invoke("run", v2_copies, url=store_url).exit_code == 0  # type: ignore[attr-defined]
+    assert rows(store_url, paid) == spent
+    assert rows(store_url, "SELECT count(*) FROM stage_results WHERE doc_key LIKE 'copy-%' AND cache_hit") == [(5,)]
+    nothing = invoke("prune", v2, other, "--yes", "--retention-days", "30", url=store_url)
+    assert "nothing to delete" in nothing.output  # type: ignore[attr-defined]
