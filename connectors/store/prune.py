@@ -29,6 +29,19 @@ def stored_pipelines(engine: Engine) -> set[str]:
             conn.execute(select(stage_results.c.pipeline).distinct()).scalars())
 
 
+def unproven_stages(engine: Engine, fingerprints: Mapping[str, set[str]]) -> list[str]:
+    """Stages (by name, with their live fingerprints) that have cache entries, none of them at a
+    live fingerprint: the pipeline changed and has not run since, or it runs with another model
+    or settings than the ones given (ETL_LLM_*). Pruning then would drop what its runs use."""
+    c = llm_cache.c
+    cached: dict[str, set[str]] = {}
+    with engine.connect() as conn:
+        for stage, fingerprint in conn.execute(select(c.stage, c.fingerprint).where(
+                c.stage.in_(sorted(fingerprints))).distinct()):
+            cached.setdefault(stage, set()).add(fingerprint)
+    return sorted(stage for stage, found in cached.items() if not found & fingerprints[stage])
+
+
 def prune(engine: Engine, stages: Mapping[str, set[str]], fingerprints: set[str], retention_days: float, *,
           dry_run: bool, now: datetime | None = None) -> dict[str, int]:
     """Rows per table that no live stage can reach, and call rows of these pipelines older than

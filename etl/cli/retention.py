@@ -24,7 +24,7 @@ def prune(pipelines: Annotated[list[str], typer.Argument(help=(
     than --retention-days; one transaction. Results of a live stage at an older fingerprint stay
     (the document's answer until it is processed again)."""
     from connectors.store.prune import prune as run_prune  # noqa: PLC0415
-    from connectors.store.prune import stored_pipelines  # noqa: PLC0415
+    from connectors.store.prune import stored_pipelines, unproven_stages  # noqa: PLC0415
     from etl.pipeline import load_pipeline  # noqa: PLC0415
     from etl.runtime.calls import plans_by_tenant  # noqa: PLC0415
     from etl.runtime.wiring import default_llm  # noqa: PLC0415
@@ -33,20 +33,27 @@ def prune(pipelines: Annotated[list[str], typer.Argument(help=(
         fail(f"--retention-days {retention_days:g}: keep at least 1 day (today's calls count against budgets)")
     settings = Settings()
     stages: dict[str, set[str]] = {}
-    fingerprints: set[str] = set()
+    by_stage: dict[str, set[str]] = {}  # stage name → its live fingerprints, in any pipeline
     try:
         loaded = [load_pipeline(p) for p in pipelines]
     except EtlError as exc:
         fail(str(exc))
     for pipeline in loaded:
         plans = plans_by_tenant(pipeline, pipeline.llm or default_llm(settings), settings.repairs)
-        stages.setdefault(pipeline.name, set()).update(p.stage.name for ps in plans.values() for p in ps)
-        fingerprints.update(p.fingerprint for ps in plans.values() for p in ps)
+        for plan in (plan for tenant in plans.values() for plan in tenant):
+            stages.setdefault(pipeline.name, set()).add(plan.stage.name)
+            by_stage.setdefault(plan.stage.name, set()).add(plan.fingerprint)
+    fingerprints = set().union(*by_stage.values())
     engine, url = store_engine(db, loaded[0])
     others = sorted(stored_pipelines(engine) - set(stages))
     if others:
         fail(f"{safe_url(url)} also holds pipeline(s) {', '.join(others)}: give their files too (they may "
              "use cache entries the others do not), or purge them first")
+    unproven = unproven_stages(engine, by_stage)
+    if unproven:
+        fail(f"stage(s) {', '.join(unproven)} have cache entries, none at the fingerprint the given pipelines make "
+             "now: run the pipeline once since it changed, or set the model settings (ETL_LLM_*) as `etl run` has "
+             "them; pruning now would delete what its runs use")
     counts = run_prune(engine, stages, fingerprints, retention_days, dry_run=True)
     kept = counts.pop("kept_stale_results", 0)
     total = sum(counts.values())

@@ -42,8 +42,11 @@ def test_prune_removes_only_what_no_live_stage_uses(tmp_path: Path, store_url: s
     half.write_text("".join(f'{{"id": "{i}", "text": "doc {i}"}}\n' for i in range(5)))
     v1 = write(tmp_path / "v1.py", "p", docs, ROUTE.format(instructions="Pick one."), FIELDS)
     assert invoke("run", v1, url=store_url).exit_code == 0  # type: ignore[attr-defined]
-    # Version 2: a new prompt for route, no fields stage; run over half of the documents.
+    # Version 2: a new prompt for route, no fields stage; run over half of the documents. Before
+    # it has run, nothing proves its stages are what runs use (another model? settings?): refused.
     v2 = write(tmp_path / "v2.py", "p", half, ROUTE.format(instructions="Pick one, carefully."))
+    early = invoke("prune", v2, "--dry-run", url=store_url)
+    assert early.exit_code == 1 and "stage(s) route have cache entries" in early.output  # type: ignore[attr-defined]
     assert invoke("run", v2, url=store_url).exit_code == 0  # type: ignore[attr-defined]
     # Another pipeline in the same store, whose rows prune must not touch.
     other = write(tmp_path / "other.py", "q", docs, ROUTE.format(instructions="Choose."))
