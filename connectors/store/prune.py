@@ -14,32 +14,38 @@ caller refuses to run when the store holds results of a pipeline it was not give
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta, timezone
 
-from sqlalchemy import ColumnElement, Connection, Engine, MetaData, Table, delete, func, select
+from sqlalchemy import ColumnElement, Connection, Engine, MetaData, Table, delete, func, inspect, select
 
-from connectors.store.tables import cache_texts, documents, llm_cache, llm_calls, stage_results, typed_table_names
+from connectors.store.tables import cache_texts, llm_cache, llm_calls, metadata, stage_results, typed_table_names
 
 
 def stored_pipelines(engine: Engine) -> set[str]:
-    """Pipelines with documents or results in the store."""
+    """Pipelines with any row in the store (results, letters, calls, batches, students, …; a
+    pipeline's evals cost under ``<pipeline>#eval``)."""
+    names: set[str] = set()
     with engine.connect() as conn:
-        return set(conn.execute(select(documents.c.pipeline).distinct()).scalars()) | set(
-            conn.execute(select(stage_results.c.pipeline).distinct()).scalars())
+        present = set(inspect(conn).get_table_names())
+        for table in metadata.tables.values():
+            if "pipeline" in table.c and table.name in present:
+                names.update(conn.execute(select(table.c.pipeline).distinct()).scalars())
+    return {name.removesuffix("#eval") for name in names if name is not None}
 
 
-def unproven_stages(engine: Engine, fingerprints: Mapping[str, set[str]]) -> list[str]:
-    """Stages (by name, with their live fingerprints) that have cache entries, none of them at a
-    live fingerprint: the pipeline changed and has not run since, or it runs with another model
-    or settings than the ones given (ETL_LLM_*). Pruning then would drop what its runs use."""
+def unproven_stages(engine: Engine, live: Callable[[str, str], set[str]], stages: set[str]) -> list[str]:
+    """``tenant/stage`` pairs (live stages only) that have cache entries, none of them at a
+    fingerprint ``live(tenant, stage)`` gives: the pipeline changed and has not run since for that
+    tenant, or it runs with another model or settings than the ones given (ETL_LLM_*). Pruning
+    then would drop what its runs use."""
     c = llm_cache.c
-    cached: dict[str, set[str]] = {}
+    cached: dict[tuple[str, str], set[str]] = {}
     with engine.connect() as conn:
-        for stage, fingerprint in conn.execute(select(c.stage, c.fingerprint).where(
-                c.stage.in_(sorted(fingerprints))).distinct()):
-            cached.setdefault(stage, set()).add(fingerprint)
-    return sorted(stage for stage, found in cached.items() if not found & fingerprints[stage])
+        for tenant, stage, fingerprint in conn.execute(select(c.tenant, c.stage, c.fingerprint).where(
+                c.stage.in_(sorted(stages))).distinct()):
+            cached.setdefault((tenant, stage), set()).add(fingerprint)
+    return sorted(f"{tenant}/{stage}" for (tenant, stage), found in cached.items() if not found & live(tenant, stage))
 
 
 def prune(engine: Engine, stages: Mapping[str, set[str]], fingerprints: set[str], retention_days: float, *,
@@ -50,6 +56,8 @@ def prune(engine: Engine, stages: Mapping[str, set[str]], fingerprints: set[str]
     ``stages``: each pipeline's stage names (every tenant's); ``fingerprints``: every stage
     fingerprint the pipelines use, for every tenant configuration. ``kept_stale_results`` counts
     results of live stages at an older fingerprint (kept, see the module)."""
+    if not fingerprints:
+        raise ValueError("no live stage fingerprints: every cache entry would look dead")
     cutoff = (now or datetime.now(timezone.utc)) - timedelta(days=retention_days)
     r = stage_results.c
     counts: dict[str, int] = {}

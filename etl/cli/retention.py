@@ -32,29 +32,37 @@ def prune(pipelines: Annotated[list[str], typer.Argument(help=(
     if retention_days < 1:
         fail(f"--retention-days {retention_days:g}: keep at least 1 day (today's calls count against budgets)")
     settings = Settings()
-    stages: dict[str, set[str]] = {}
-    by_stage: dict[str, set[str]] = {}  # stage name → its live fingerprints, in any pipeline
     try:
         loaded = [load_pipeline(p) for p in pipelines]
     except EtlError as exc:
         fail(str(exc))
-    for pipeline in loaded:
-        plans = plans_by_tenant(pipeline, pipeline.llm or default_llm(settings), settings.repairs)
-        for plan in (plan for tenant in plans.values() for plan in tenant):
-            stages.setdefault(pipeline.name, set()).add(plan.stage.name)
-            by_stage.setdefault(plan.stage.name, set()).add(plan.fingerprint)
-    fingerprints = set().union(*by_stage.values())
+    # per pipeline, its plans per tenant configuration ("": every tenant without its own)
+    plans = {p.name: plans_by_tenant(p, p.llm or default_llm(settings), settings.repairs) for p in loaded}
+    stages = {name: {plan.stage.name for tenant in by_tenant.values() for plan in tenant}
+              for name, by_tenant in plans.items()}
+    fingerprints = {plan.fingerprint for by_tenant in plans.values() for tenant in by_tenant.values() for plan in tenant}
+
+    def live(tenant: str, stage: str) -> set[str]:
+        """The fingerprints a tenant's documents get at ``stage``, in any of the pipelines."""
+        return {plan.fingerprint for by_tenant in plans.values()
+                for plan in by_tenant.get(tenant, by_tenant[""]) if plan.stage.name == stage}
+
     engine, url = store_engine(db, loaded[0])
-    others = sorted(stored_pipelines(engine) - set(stages))
+    try:  # all read-only: the refusals below come before anything is deleted
+        others = sorted(stored_pipelines(engine) - set(stages))
+        unproven = unproven_stages(engine, live, set().union(*stages.values()))
+        counts = run_prune(engine, stages, fingerprints, retention_days, dry_run=True)
+    except Exception as exc:  # noqa: BLE001 - one line for the user
+        fail(f"cannot count what to prune: {type(exc).__name__}: {str(exc).splitlines()[0]}; "
+             "run it as the tables' owner")
     if others:
         fail(f"{safe_url(url)} also holds pipeline(s) {', '.join(others)}: give their files too (they may "
              "use cache entries the others do not), or purge them first")
-    unproven = unproven_stages(engine, by_stage)
     if unproven:
-        fail(f"stage(s) {', '.join(unproven)} have cache entries, none at the fingerprint the given pipelines make "
-             "now: run the pipeline once since it changed, or set the model settings (ETL_LLM_*) as `etl run` has "
-             "them; pruning now would delete what its runs use")
-    counts = run_prune(engine, stages, fingerprints, retention_days, dry_run=True)
+        fail(f"{', '.join(unproven[:5])}{' …' if len(unproven) > 5 else ''}: cache entries, none at the "
+             "fingerprint the given pipelines make now for that tenant and stage: run the pipeline once since "
+             "it changed, or set the model settings (ETL_LLM_*) as `etl run` has them; pruning now would "
+             "delete what its runs use")
     kept = counts.pop("kept_stale_results", 0)
     total = sum(counts.values())
     out.print(table_of(f"prunable in {safe_url(url)}: {total} row(s)",

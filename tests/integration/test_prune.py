@@ -46,7 +46,7 @@ def test_prune_removes_only_what_no_live_stage_uses(tmp_path: Path, store_url: s
     # it has run, nothing proves its stages are what runs use (another model? settings?): refused.
     v2 = write(tmp_path / "v2.py", "p", half, ROUTE.format(instructions="Pick one, carefully."))
     early = invoke("prune", v2, "--dry-run", url=store_url)
-    assert early.exit_code == 1 and "stage(s) route have cache entries" in early.output  # type: ignore[attr-defined]
+    assert early.exit_code == 1 and "default/route: cache entries, none at" in early.output  # type: ignore[attr-defined]
     assert invoke("run", v2, url=store_url).exit_code == 0  # type: ignore[attr-defined]
     # Another pipeline in the same store, whose rows prune must not touch.
     other = write(tmp_path / "other.py", "q", docs, ROUTE.format(instructions="Choose."))
@@ -97,3 +97,26 @@ def test_prune_removes_only_what_no_live_stage_uses(tmp_path: Path, store_url: s
     assert rows(store_url, "SELECT count(*) FROM stage_results WHERE doc_key LIKE 'copy-%' AND cache_hit") == [(5,)]
     nothing = invoke("prune", v2, other, "--yes", "--retention-days", "30", url=store_url)
     assert "nothing to delete" in nothing.output  # type: ignore[attr-defined]
+
+
+def test_prune_refuses_when_one_tenant_s_entries_are_not_at_its_live_fingerprint(tmp_path: Path,
+                                                                                  store_url: str) -> None:
+    """A tenant with its own model has entries at its fingerprint; prune is given the pipeline with
+    another default model than its runs had: the other tenants' entries look dead, and are not."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(f'{{"id": "{i}", "text": "doc {i}", "tenant": "{t}"}}\n'
+                            for i in range(6) for t in ("acme", "beta")))
+    body = ("from etl import Classify, Pipeline\nfrom etl.testing import FakeLLM\n"
+            f"pipeline = Pipeline('p', {str(docs)!r}, [Classify(['a', 'b'], 'Pick one.', name='route')], "
+            "llm=FakeLLM(model_id={model!r}), tenant_llms={{'acme': FakeLLM(model_id='acme-model')}})\n")
+    ran, other = tmp_path / "ran.py", tmp_path / "other.py"
+    ran.write_text(body.format(model="prod-model"))
+    other.write_text(body.format(model="another-model"))
+    assert invoke("run", str(ran), url=store_url).exit_code == 0  # type: ignore[attr-defined]
+    before = counts(store_url, TABLES)
+    refused = invoke("prune", str(other), "--yes", url=store_url)
+    assert refused.exit_code == 1 and "beta/route: cache entries, none at" in refused.output  # type: ignore[attr-defined]
+    assert "acme/route" not in refused.output  # type: ignore[attr-defined]
+    assert counts(store_url, TABLES) == before
+    fine = invoke("prune", str(ran), "--yes", url=store_url)
+    assert fine.exit_code == 0 and "nothing to delete" in fine.output, fine.output  # type: ignore[attr-defined]
