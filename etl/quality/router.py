@@ -155,8 +155,9 @@ def _distill_one(engine: Engine, pipeline: str, stage: Any, fingerprint: str, te
     held = max(MIN_AGREEMENT_N * 2, min(1000, len(examples) // 10))
     held_out: list[tuple[str, str, float]] = []
     train: list[tuple[str, str, float]] = []
-    for near in order:
-        (held_out if len(held_out) < held else train).extend(groups[near])
+    for near in order:  # a big group of copies would count one text many times in the held-out slice
+        big = len(groups[near]) > max(1, held // 100)
+        (held_out if len(held_out) < held and not big else train).extend(groups[near])
     started = time.perf_counter()
     try:
         student = Student.train([x for x, _, _ in train], [y for _, y, _ in train], seed=seed)

@@ -62,3 +62,11 @@ def test_the_p_value_is_seeded_and_exact_on_small_cases() -> None:
     p, moved = label_shift(Counter(a=60), Counter(b=60), permutations=999)
     assert p == 2 / 1000 and moved == "a"  # no random split is as extreme: p at its floor
     assert label_shift({}, Counter(a=3)) == (1.0, "")  # an empty window tests nothing
+
+
+def test_thresholds_refuse_a_level_no_affordable_test_reaches() -> None:
+    from etl.errors import ConfigError
+
+    for alpha in (0.0, 1e-6, 1.0):
+        with pytest.raises(ConfigError):
+            Thresholds(label_alpha=alpha)
