@@ -337,6 +337,25 @@ def constrained_figures() -> list[Figure]:
     ]
 
 
+def rss_of_replay(env: dict[str, str]) -> tuple[float, float, float]:
+    """(peak RSS MB, last quarter − first quarter of the steady state MB, seconds) of one `etl run`
+    of bench/pipeline.py, sampled from /proc every 0.2 s."""
+    proc = subprocess.Popen([sys.executable, "-m", "etl.cli", "run", str(ROOT / "bench" / "pipeline.py")],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    samples = []
+    while proc.poll() is None:
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+            samples.append(int(next(l for l in status.splitlines() if l.startswith("VmRSS")).split()[1]) / 1024)
+        except (FileNotFoundError, StopIteration, ProcessLookupError):
+            pass
+        time.sleep(0.2)
+    assert proc.returncode == 0 and samples
+    steady = samples[len(samples) // 4:] or samples  # after start-up
+    quarter = max(1, len(steady) // 4)
+    return max(samples), statistics.mean(steady[-quarter:]) - statistics.mean(steady[:quarter]), len(samples) * 0.2
+
+
 def memory_figures(n: int = 200_000) -> list[Figure]:
     topic = new_topic()
     log(f"memory: producing {n:,} messages")
@@ -349,29 +368,184 @@ def memory_figures(n: int = 200_000) -> list[Figure]:
     env = {**os.environ, "ETL_DATABASE_URL": url, "ETL_KAFKA_BOOTSTRAP": KAFKA, "BENCH_TOPIC": topic,
            "BENCH_REPLAY": "1", "ETL_MAX_IN_FLIGHT": str(REPLAY_IN_FLIGHT), "ETL_FLUSH_SIZE": "2000"}
     for r in range(RUNS):
-        proc = subprocess.Popen([sys.executable, "-m", "etl.cli", "run", str(ROOT / "bench" / "pipeline.py")],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        samples = []
-        while proc.poll() is None:
-            try:
-                status = Path(f"/proc/{proc.pid}/status").read_text()
-                samples.append(int(next(l for l in status.splitlines() if l.startswith("VmRSS")).split()[1]) / 1024)
-            except (FileNotFoundError, StopIteration, ProcessLookupError):
-                pass
-            time.sleep(0.2)
-        assert proc.returncode == 0
-        steady = samples[len(samples) // 4:]  # after start-up
-        quarter = max(1, len(steady) // 4)
-        peaks.append(max(samples))
-        growth.append(statistics.mean(steady[-quarter:]) - statistics.mean(steady[:quarter]))
-        log(f"memory run {r}: peak {peaks[-1]:.0f} MB, last-quarter minus first-quarter {growth[-1]:+.1f} MB "
-            f"over {len(samples) * 0.2:.0f} s")
+        peak, grew, seconds = rss_of_replay(env)
+        peaks.append(peak)
+        growth.append(grew)
+        log(f"memory run {r}: peak {peak:.0f} MB, last-quarter minus first-quarter {grew:+.1f} MB over {seconds:.0f} s")
     return [
         summary(f"peak RSS during a {n:,}-message replay (`etl run`, replay source)", peaks, "< 300", "MB",
                 met=lambda v: v < 300),
         summary("  RSS growth over the replay (last quarter − first quarter of steady state)", growth, "flat", "MB",
                 met=lambda v: abs(v) < 20),
     ]
+
+
+#: Rows of the production-size store (BENCH_STORE_ROWS for a smaller trial).
+STORE_ROWS = int(os.environ.get("BENCH_STORE_ROWS", "10000000"))
+STORE_TABLES = ("documents", "stage_results", "llm_cache", "llm_calls")
+
+
+def _fill_sql(fingerprint: str, start: int, end: int) -> list[str]:
+    """INSERT … SELECT statements making rows start..end-1 of each core table, shaped as the bench
+    pipeline's own (one Classify stage, two tenants, four partitions): PostgreSQL generates them
+    itself, so a bulk load is bounded by the server, not by a client."""
+    g = f"generate_series({start}, {end - 1}) AS g"
+    key = "encode(sha256(('c' || g)::bytea), 'hex')"
+    content = "encode(sha256(('t' || g)::bytea), 'hex')"
+    tenant = "CASE WHEN g % 2 = 0 THEN 'acme' ELSE 'globex' END"
+    label = "(ARRAY['billing', 'technical', 'account', 'other'])[1 + g % 4]"
+    return [
+        "INSERT INTO documents (pipeline, tenant, doc_key, content_hash, stream, partition, message_offset, received_at) "
+        f"SELECT 'bench', {tenant}, 'big-' || g, {content}, 'bench-big', g % 4, g / 4, now() FROM {g}",
+        "INSERT INTO llm_cache (cache_key, tenant, stage, fingerprint, output, model, tokens_in, tokens_out, cost, "
+        f"structured, created_at) SELECT {key}, {tenant}, 'route', '{fingerprint}', "
+        f"jsonb_build_object('label', {label}, 'confidence', NULL), 'fake', 450, 8, 0.0000723, 'json_schema', now() "
+        f"FROM {g}",
+        "INSERT INTO stage_results (pipeline, tenant, doc_key, stage, output, cache_key, fingerprint, model, prompt_hash, "
+        "schema_hash, cache_hit, attempts, tokens_in, tokens_out, cost, latency_ms, structured, created_at, updated_at) "
+        f"SELECT 'bench', {tenant}, 'big-' || g, 'route', jsonb_build_object('label', {label}, 'confidence', NULL), "
+        f"{key}, '{fingerprint}', 'fake', '{fingerprint}', '{fingerprint}', false, 1, 450, 8, 0.0000723, 200.0, "
+        f"'json_schema', now(), now() FROM {g}",
+        "INSERT INTO llm_calls (pipeline, tenant, stage, doc_key, cache_key, model, outcome, tokens_in, tokens_out, cost, "
+        f"latency_ms, created_at, call_id) SELECT 'bench', {tenant}, 'route', 'big-' || g, {key}, 'fake', 'ok', 450, 8, "
+        f"0.0000723, 200.0, now(), md5('call' || g) FROM {g}",
+    ]
+
+
+def _store_bytes(conn: Any) -> dict[str, int]:
+    return {t: int(conn.execute(text(f"SELECT pg_total_relation_size('{t}')")).scalar_one()) for t in STORE_TABLES}
+
+
+def big_store(schema: str = "bench_store") -> tuple[str, list[tuple[int, dict[str, int]]]]:
+    """A store of STORE_ROWS documents with their result, cache entry and call row, bulk-loaded
+    (indexes dropped, rows made by the server, indexes built once), kept between bench runs.
+    Returns its URL and (rows, bytes per table) at 1/10 and at the full size."""
+    url = f"{POSTGRES}?options=-csearch_path%3D{schema}"
+    engine = create_engine(url)
+    with create_engine(POSTGRES).begin() as conn:
+        conn.execute(text(f"CREATE SCHEMA IF NOT EXISTS {schema}"))
+        conn.execute(text(f"CREATE TABLE IF NOT EXISTS {schema}.bench_sizes (rows bigint PRIMARY KEY, sizes jsonb)"))
+    with engine.connect() as conn:
+        sizes = [(int(r), dict(s)) for r, s in conn.execute(text("SELECT rows, sizes FROM bench_sizes ORDER BY rows"))]
+    if sizes and sizes[-1][0] == STORE_ROWS:
+        log(f"store: {schema} holds {STORE_ROWS:,} rows already")
+        return url, sizes
+    from connectors.store import upgrade  # noqa: PLC0415
+    from etl.runtime.calls import StagePlan  # noqa: PLC0415
+
+    with engine.begin() as conn:
+        for table in STORE_TABLES:
+            conn.execute(text(f"DROP TABLE IF EXISTS {table} CASCADE"))
+        conn.execute(text("DROP TABLE IF EXISTS alembic_version CASCADE"))
+        conn.execute(text("DELETE FROM bench_sizes"))
+    upgrade(engine)
+    fingerprint = StagePlan.of(STAGE, FakeLLM(), Settings().repairs).fingerprint
+    sizes = []
+    done = 0
+    for target in (STORE_ROWS // 10, STORE_ROWS):
+        started = time.perf_counter()
+        with engine.begin() as conn:
+            conn.execute(text("SET LOCAL maintenance_work_mem = '1GB'"))
+            conn.execute(text("SET LOCAL synchronous_commit = off"))
+            names = list(STORE_TABLES)
+            constraints = conn.execute(text(
+                "SELECT c.conrelid::regclass::text, c.conname, pg_get_constraintdef(c.oid) FROM pg_constraint c "
+                "WHERE c.connamespace = current_schema()::regnamespace AND c.contype IN ('p', 'u') "
+                "AND c.conrelid::regclass::text = ANY(:t)"), {"t": names}).all()
+            owned = {name for _, name, _ in constraints}
+            indexes = [(n, d) for n, d in conn.execute(text(
+                "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = current_schema() AND tablename = ANY(:t)"),
+                {"t": names}) if n not in owned]
+            for name, _ in indexes:
+                conn.execute(text(f'DROP INDEX "{name}"'))
+            for table, name, _ in constraints:
+                conn.execute(text(f'ALTER TABLE {table} DROP CONSTRAINT "{name}"'))
+            step = 1_000_000
+            for start in range(done, target, step):
+                for statement in _fill_sql(fingerprint, start, min(target, start + step)):
+                    conn.execute(text(statement))
+                log(f"store: {min(target, start + step):,} rows loaded ({time.perf_counter() - started:.0f} s)")
+            for table, name, definition in constraints:
+                conn.execute(text(f'ALTER TABLE {table} ADD CONSTRAINT "{name}" {definition}'))
+            for _, definition in indexes:
+                conn.execute(text(definition))
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(text("VACUUM ANALYZE " + ", ".join(STORE_TABLES)))
+        with engine.begin() as conn:
+            measured = _store_bytes(conn)
+            conn.execute(text("INSERT INTO bench_sizes VALUES (:r, CAST(:s AS jsonb))"),
+                         {"r": target, "s": json.dumps(measured)})
+        sizes.append((target, measured))
+        done = target
+        log(f"store: {target:,} rows with indexes in {time.perf_counter() - started:.0f} s: "
+            f"{sum(measured.values()) / target:.0f} bytes per document")
+    engine.dispose()
+    return url, sizes
+
+
+def store_figures() -> list[Figure]:
+    """Replay and the cold path on a store of STORE_ROWS documents against a near-empty one, in
+    the same run, alternating; bytes on disk per document at 1/10 and at the full size."""
+    loaded_at = time.perf_counter()
+    big, sizes = big_store()
+    load_s = time.perf_counter() - loaded_at
+    n = 100_000
+    topic = new_topic()
+    produce(topic, tickets(n, seed=31337))
+    empty = fresh_schema()
+    for url in (empty, big):  # process everything once into each store
+        run_idem(topic, url, FakeLLM(), in_flight=REPLAY_IN_FLIGHT)
+    replay, cold, rates = [], [], {"empty": [], "big": []}
+    concurrency = 64
+    m = int(6.0 * concurrency / MEAN_S)
+    for r in range(RUNS):
+        got = {}
+        for name, url in (("empty", empty), ("big", big)) if r % 2 == 0 else (("big", big), ("empty", empty)):
+            processed, seconds, _ = run_idem(topic, url, FakeLLM(), in_flight=REPLAY_IN_FLIGHT)
+            assert processed == n
+            got[name] = n / seconds
+        replay.append(got["big"] / got["empty"])
+        steady = {}
+        cold_topic = new_topic()
+        produce(cold_topic, tickets(m, seed=5_000_000 + r))
+        for name, url in (("empty", empty), ("big", big)) if r % 2 == 0 else (("big", big), ("empty", empty)):
+            done, _, marks = run_idem(cold_topic, url, FakeLLM(latency_s=lognormal(MEDIAN_S, SIGMA, seed=r)),
+                                      in_flight=concurrency)
+            assert done == m
+            steady[name] = steady_rate(marks, m)
+            rates[name].append(steady[name])
+        cold.append(steady["big"] / steady["empty"])
+        log(f"store run {r}: replay {got['big']:.0f} vs {got['empty']:.0f} msgs/s ({replay[-1]:.3f}); cold c=64 "
+            f"{steady['big']:.1f} vs {steady['empty']:.1f} msgs/s ({cold[-1]:.3f})")
+    env = {**os.environ, "ETL_KAFKA_BOOTSTRAP": KAFKA, "BENCH_TOPIC": topic, "BENCH_REPLAY": "1",
+           "ETL_MAX_IN_FLIGHT": str(REPLAY_IN_FLIGHT), "ETL_FLUSH_SIZE": "2000"}
+    peaks = {name: rss_of_replay({**env, "ETL_DATABASE_URL": url})[0] for name, url in (("empty", empty), ("big", big))}
+    (small_rows, small), (full_rows, full) = sizes
+    per_doc = {t: full[t] / full_rows for t in STORE_TABLES}
+    note = (f"{full_rows:,} documents, each with its result, cache entry and call row ({4 * full_rows:,} rows), made "
+            f"by PostgreSQL itself (INSERT … SELECT generate_series, indexes dropped and built after): "
+            f"{load_s / 60:.1f} min this run" + (" (kept from an earlier run)" if load_s < 60 else "") +
+            f"; PostgreSQL at its defaults (shared_buffers {_setting('shared_buffers')}). Replay: {n:,} processed "
+            f"messages; cold: {m:,} new messages at concurrency {concurrency}, FakeLLM lognormal "
+            f"{MEDIAN_S * 1000:.0f} ms; each run does both stores, in alternating order")
+    return [
+        summary(f"store of {full_rows:,} documents: replay ÷ the same on a near-empty store", replay, "≥ 0.9", "ratio",
+                met=lambda v: v >= 0.9, note=note),
+        summary("  cold path, concurrency 64: steady throughput ÷ the same on a near-empty store", cold, "≥ 0.9",
+                "ratio", met=lambda v: v >= 0.9),
+        summary("  cold path steady throughput, large store", rates["big"], "", "msgs/s"),
+        summary("  peak RSS of a replay (`etl run`), large store ÷ near-empty store", [peaks["big"] / peaks["empty"]],
+                "flat (≤ 1.1)", "ratio", met=lambda v: v <= 1.1),
+        summary(f"  bytes on disk per document at {full_rows:,} (4 tables with their indexes)",
+                [sum(full.values()) / full_rows], "", "bytes",
+                note=", ".join(f"{t} {per_doc[t]:.0f}" for t in STORE_TABLES)),
+        summary(f"  bytes on disk per document at {small_rows:,}", [sum(small.values()) / small_rows], "", "bytes"),
+    ]
+
+
+def _setting(name: str) -> str:
+    with create_engine(POSTGRES).connect() as conn:
+        return str(conn.execute(text(f"SHOW {name}")).scalar_one())
 
 
 # -- report ----------------------------------------------------------------------------------
@@ -396,7 +570,7 @@ def machine() -> list[str]:
 
 
 def fmt(v: float, unit: str) -> str:
-    return f"{v:,.0f}" if unit in ("msgs/s",) else f"{v:,.1f}" if unit in ("MB", "s") else \
+    return f"{v:,.0f}" if unit in ("msgs/s", "bytes") else f"{v:,.1f}" if unit in ("MB", "s") else \
         f"{v:.6f}" if unit == "USD" else f"{v:.3f}"
 
 
@@ -613,7 +787,7 @@ def router_figures(golden_n: int = 1000, accuracy: float = 0.92) -> list[Figure]
 
 SECTIONS = {"replay": replay_figures, "cold": cold_figures, "dedup": dedup_figures,
             "constrained": constrained_figures, "memory": memory_figures, "batch": batch_figures,
-            "router": router_figures}
+            "router": router_figures, "store": store_figures}
 
 
 def main() -> None:
