@@ -416,10 +416,11 @@ def _store_bytes(conn: Any) -> dict[str, int]:
     return {t: int(conn.execute(text(f"SELECT pg_total_relation_size('{t}')")).scalar_one()) for t in STORE_TABLES}
 
 
-def big_store(schema: str = "bench_store") -> tuple[str, list[tuple[int, dict[str, int]]]]:
+def big_store(schema: str = "bench_store") -> tuple[str, list[tuple[int, dict[str, int]]], bool]:
     """A store of STORE_ROWS documents with their result, cache entry and call row, bulk-loaded
     (indexes dropped, rows made by the server, indexes built once), kept between bench runs.
-    Returns its URL and (rows, bytes per table) at 1/10 and at the full size."""
+    Returns its URL, (rows, bytes per table) at 1/10 and at the full size, and whether this call
+    loaded it."""
     url = f"{POSTGRES}?options=-csearch_path%3D{schema}"
     engine = create_engine(url)
     with create_engine(POSTGRES).begin() as conn:
@@ -429,7 +430,7 @@ def big_store(schema: str = "bench_store") -> tuple[str, list[tuple[int, dict[st
         sizes = [(int(r), dict(s)) for r, s in conn.execute(text("SELECT rows, sizes FROM bench_sizes ORDER BY rows"))]
     if sizes and sizes[-1][0] == STORE_ROWS:
         log(f"store: {schema} holds {STORE_ROWS:,} rows already")
-        return url, sizes
+        return url, sizes, False
     from connectors.store import upgrade  # noqa: PLC0415
     from etl.runtime.calls import StagePlan  # noqa: PLC0415
 
@@ -480,14 +481,14 @@ def big_store(schema: str = "bench_store") -> tuple[str, list[tuple[int, dict[st
         log(f"store: {target:,} rows with indexes in {time.perf_counter() - started:.0f} s: "
             f"{sum(measured.values()) / target:.0f} bytes per document")
     engine.dispose()
-    return url, sizes
+    return url, sizes, True
 
 
 def store_figures() -> list[Figure]:
     """Replay and the cold path on a store of STORE_ROWS documents against a near-empty one, in
     the same run, alternating; bytes on disk per document at 1/10 and at the full size."""
     loaded_at = time.perf_counter()
-    big, sizes = big_store()
+    big, sizes, loaded = big_store()
     load_s = time.perf_counter() - loaded_at
     n = 100_000
     topic = new_topic()
@@ -523,8 +524,8 @@ def store_figures() -> list[Figure]:
     (small_rows, small), (full_rows, full) = sizes
     per_doc = {t: full[t] / full_rows for t in STORE_TABLES}
     note = (f"{full_rows:,} documents, each with its result, cache entry and call row ({4 * full_rows:,} rows), made "
-            f"by PostgreSQL itself (INSERT … SELECT generate_series, indexes dropped and built after): "
-            f"{load_s / 60:.1f} min this run" + (" (kept from an earlier run)" if load_s < 60 else "") +
+            f"by PostgreSQL itself (INSERT … SELECT generate_series, indexes dropped and built after): " +
+            (f"loaded in {load_s / 60:.1f} min" if loaded else "kept from an earlier run") +
             f"; PostgreSQL at its defaults (shared_buffers {_setting('shared_buffers')}). Replay: {n:,} processed "
             f"messages; cold: {m:,} new messages at concurrency {concurrency}, FakeLLM lognormal "
             f"{MEDIAN_S * 1000:.0f} ms; each run does both stores, in alternating order")
