@@ -434,11 +434,10 @@ def big_store(schema: str = "bench_store") -> tuple[str, list[tuple[int, dict[st
     from connectors.store import upgrade  # noqa: PLC0415
     from etl.runtime.calls import StagePlan  # noqa: PLC0415
 
-    with engine.begin() as conn:
-        for table in STORE_TABLES:
-            conn.execute(text(f"DROP TABLE IF EXISTS {table} CASCADE"))
-        conn.execute(text("DROP TABLE IF EXISTS alembic_version CASCADE"))
-        conn.execute(text("DELETE FROM bench_sizes"))
+    with create_engine(POSTGRES).begin() as conn:  # another size (or a half-done load): start over
+        conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
+        conn.execute(text(f"CREATE SCHEMA {schema}"))
+        conn.execute(text(f"CREATE TABLE {schema}.bench_sizes (rows bigint PRIMARY KEY, sizes jsonb)"))
     upgrade(engine)
     fingerprint = StagePlan.of(STAGE, FakeLLM(), Settings().repairs).fingerprint
     sizes = []
