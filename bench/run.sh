@@ -4,5 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/_venv.sh
+python -c "import quixstreams" 2>/dev/null || python -m pip install -q -e ".[bench]" >&2  # the quix section's peer
 eval "$(services/services.sh start)"
 python -m bench.run "$@"
