@@ -76,16 +76,19 @@ def evaluate(pipeline: PipelineArg, stage: Annotated[str | None, typer.Option(he
 
 
 def drift(pipeline: Annotated[str, typer.Option(help="The pipeline's name.")],
-          window: Annotated[int, typer.Option(help="Results per window (recent vs first).")] = 200,
+          window: Annotated[int, typer.Option(help="Latest results to check.")] = 200,
+          baseline: Annotated[int, typer.Option(help="First results to compare them with (at least --window).")] = 1000,
           db: DbOption = None) -> None:
-    """Compare each tenant and stage's latest window of results with its first; record alerts.
+    """Compare each tenant and stage's latest window of results with its first ones; record alerts.
 
     label_shift's score is -log10 of a permutation test's p-value (3: p < 0.001), valid for small
     windows over many labels; the other metrics' scores are changes between the windows."""
     from etl.quality.drift import detect  # noqa: PLC0415
 
+    if window < 1 or baseline < 1:
+        fail(f"--window {window} --baseline {baseline}: give positive counts of results")
     engine, _ = store_engine(db)
-    alerts = detect(engine, pipeline, window)
+    alerts = detect(engine, pipeline, window, baseline=baseline)
     if not alerts:
         out.print(f"{pipeline}: no drift over windows of {window}")
         return

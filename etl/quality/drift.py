@@ -127,8 +127,18 @@ def _rate(rows: Sequence[tuple[str, str | None]], errors: set[str]) -> float:
     return sum(e in errors for e in attempts) / len(attempts) if attempts else 0.0
 
 
-def detect(engine: Engine, pipeline: str, window: int = 200, thresholds: Thresholds = Thresholds()) -> list[Alert]:
-    """Checks every tenant × stage with at least two windows of results; records and returns alerts."""
+#: Results the label mix of a recent window is compared with (the first ones, never overlapping it).
+BASELINE = 1000
+
+
+def detect(engine: Engine, pipeline: str, window: int = 200, thresholds: Thresholds = Thresholds(),
+           baseline: int = BASELINE) -> list[Alert]:
+    """Checks every tenant × stage with at least two windows of results; records and returns alerts.
+
+    The latest ``window`` results are compared with the first ``max(window, baseline)`` (fewer
+    where the stage has fewer before its latest window): a long baseline costs no false alarms (the
+    permutation test is exact for any two sizes) and lets a small window find a moved label — 10
+    documents of one intent among 50 cannot stand out against 50 others, but do against 1,000."""
     alerts: list[Alert] = []
     with engine.connect() as conn:
         groups = conn.execute(select(stage_results.c.tenant, stage_results.c.stage).where(
@@ -136,13 +146,13 @@ def detect(engine: Engine, pipeline: str, window: int = 200, thresholds: Thresho
         for tenant, stage in groups:
             where = (stage_results.c.pipeline == pipeline, stage_results.c.tenant == tenant,
                      stage_results.c.stage == stage)
-            first = [_output(o) for (o,) in conn.execute(
-                select(stage_results.c.output).where(*where).order_by(stage_results.c.id).limit(window))]
-            last = [_output(o) for (o,) in conn.execute(
-                select(stage_results.c.output).where(*where).order_by(stage_results.c.id.desc()).limit(window))]
             total = conn.execute(select(func.count()).select_from(stage_results).where(*where)).scalar_one()
             if total < 2 * window:
                 continue
+            first = [_output(o) for (o,) in conn.execute(select(stage_results.c.output).where(*where).order_by(
+                stage_results.c.id).limit(min(max(window, baseline), total - window)))]
+            last = [_output(o) for (o,) in conn.execute(
+                select(stage_results.c.output).where(*where).order_by(stage_results.c.id.desc()).limit(window))]
             b, r = _window_metrics(first), _window_metrics(last)
             found = []
             many = len(b["labels"].keys() | r["labels"].keys())
