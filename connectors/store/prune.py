@@ -8,13 +8,16 @@ stays go too). A result of a stage that still
 exists but was answered under an older fingerprint stays: it is still the document's answer
 until the document is processed again (``etl replay`` recomputes it).
 
-The store holds no record of which pipelines use it, so a prune is given all of them: the
-caller refuses to run when the store holds results of a pipeline it was not given.
+The store holds no record of which pipelines use it, so a prune is given all of them, and trusts
+that the given files and settings are what runs only once the store shows it (``check``, in the
+deleting transaction): no other pipeline's rows, a result of each stage at the fingerprint the
+files make (a result there shows they ran), and a stage the files no longer have named
+explicitly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Set
 from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import ColumnElement, Connection, Engine, MetaData, Table, delete, func, inspect, select
@@ -22,42 +25,68 @@ from sqlalchemy import ColumnElement, Connection, Engine, MetaData, Table, delet
 from connectors.store.tables import cache_texts, llm_cache, llm_calls, metadata, stage_results, typed_table_names
 
 
-def stored_pipelines(engine: Engine) -> set[str]:
+#: pipeline → tenant ("" for every tenant without a configuration of its own) → stage → the
+#: fingerprint its documents get there.
+Live = Mapping[str, Mapping[str, Mapping[str, str]]]
+
+
+class Refused(Exception):  # noqa: N818 - it says what happened: nothing was deleted
+    """Pruning now could delete what a live pipeline uses; nothing was deleted."""
+
+
+def stored_pipelines(conn: Connection) -> set[str]:
     """Pipelines with any row in the store (results, letters, calls, batches, students, …; a
     pipeline's evals cost under ``<pipeline>#eval``)."""
     names: set[str] = set()
-    with engine.connect() as conn:
-        present = set(inspect(conn).get_table_names())
-        for table in metadata.tables.values():
-            if "pipeline" in table.c and table.name in present:
-                names.update(conn.execute(select(table.c.pipeline).distinct()).scalars())
+    present = set(inspect(conn).get_table_names())
+    for table in metadata.tables.values():
+        if "pipeline" in table.c and table.name in present:
+            names.update(conn.execute(select(table.c.pipeline).distinct()).scalars())
     return {name.removesuffix("#eval") for name in names if name is not None}
 
 
-def unproven_stages(engine: Engine, live: Callable[[str, str], set[str]], stages: set[str]) -> list[str]:
-    """``tenant/stage`` pairs (live stages only) that have cache entries, none of them at a
-    fingerprint ``live(tenant, stage)`` gives: the pipeline changed and has not run since for that
-    tenant, or it runs with another model or settings than the ones given (ETL_LLM_*). Pruning
-    then would drop what its runs use."""
-    c = llm_cache.c
-    cached: dict[tuple[str, str], set[str]] = {}
-    with engine.connect() as conn:
-        for tenant, stage, fingerprint in conn.execute(select(c.tenant, c.stage, c.fingerprint).where(
-                c.stage.in_(sorted(stages))).distinct()):
-            cached.setdefault((tenant, stage), set()).add(fingerprint)
-    return sorted(f"{tenant}/{stage}" for (tenant, stage), found in cached.items() if not found & live(tenant, stage))
+def check(conn: Connection, live: Live, drop_stages: Set[str] = frozenset()) -> None:
+    """Raises Refused unless the given pipelines are all the store holds, and each is what runs:
+    each of its tenants' stages with results has one at the fingerprint ``live`` gives it (else it
+    changed and has not run since, or runs with other model settings, ETL_LLM_*), and a stage it
+    no longer has is named in ``drop_stages`` (another worker may still run the old file)."""
+    others = sorted(stored_pipelines(conn) - set(live))
+    if others:
+        raise Refused(f"the store also holds pipeline(s) {', '.join(others)}: give their files too (they may use "
+                      "cache entries the others do not), or purge them first")
+    r = stage_results.c
+    found: dict[tuple[str, str, str], set[str]] = {}
+    for pipeline, tenant, stage, fingerprint in conn.execute(
+            select(r.pipeline, r.tenant, r.stage, r.fingerprint).where(r.pipeline.in_(sorted(live))).distinct()):
+        found.setdefault((pipeline, tenant, stage), set()).add(fingerprint)
+    unproven, dropped = [], set()
+    for (pipeline, tenant, stage), fingerprints in found.items():
+        by_tenant = live[pipeline]
+        if stage not in {name for stages in by_tenant.values() for name in stages}:
+            if stage not in drop_stages:
+                dropped.add(f"{pipeline}/{stage}")
+        elif by_tenant.get(tenant, by_tenant[""]).get(stage) not in fingerprints:
+            unproven.append(f"{pipeline}/{tenant}/{stage}")
+    if unproven:
+        raise Refused(f"{', '.join(sorted(unproven)[:5])}{' …' if len(unproven) > 5 else ''}: no result at the "
+                      "fingerprint the given files make now: run the pipeline once since it changed, or "
+                      "set the model settings (ETL_LLM_*) as `etl run` has them; pruning now would delete what its "
+                      "runs use")
+    if dropped:
+        raise Refused(f"{', '.join(sorted(dropped))}: results of a stage the given files no longer have: once no "
+                      "worker runs the old files, name each with --drop-stage to delete its results")
 
 
-def prune(engine: Engine, stages: Mapping[str, set[str]], fingerprints: set[str], retention_days: float, *,
-          dry_run: bool, now: datetime | None = None) -> dict[str, int]:
+def prune(engine: Engine, live: Live, retention_days: float, *, dry_run: bool, drop_stages: Set[str] = frozenset(),
+          now: datetime | None = None) -> dict[str, int]:
     """Rows per table that no live stage can reach, and call rows of these pipelines older than
-    ``retention_days``: deleted in one transaction unless ``dry_run`` (then only counted).
-
-    ``stages``: each pipeline's stage names (every tenant's); ``fingerprints``: every stage
-    fingerprint the pipelines use, for every tenant configuration. ``kept_stale_results`` counts
+    ``retention_days``: deleted in one transaction unless ``dry_run`` (then only counted), after
+    ``check`` in the same transaction (Refused: nothing deleted). ``kept_stale_results`` counts
     results of live stages at an older fingerprint (kept, see the module)."""
+    fingerprints = {fp for by_tenant in live.values() for stages in by_tenant.values() for fp in stages.values()}
     if not fingerprints:
         raise ValueError("no live stage fingerprints: every cache entry would look dead")
+    stages = {pipeline: {name for by in by_tenant.values() for name in by} for pipeline, by_tenant in live.items()}
     cutoff = (now or datetime.now(timezone.utc)) - timedelta(days=retention_days)
     r = stage_results.c
     counts: dict[str, int] = {}
@@ -65,6 +94,7 @@ def prune(engine: Engine, stages: Mapping[str, set[str]], fingerprints: set[str]
         if conn.dialect.name == "postgresql":
             # As the owner: a role under tenant policies would see (and delete) only its tenants'.
             conn.exec_driver_sql("SET LOCAL row_security = off")
+        check(conn, live, drop_stages)
 
         def take(table: Table, where: ColumnElement[bool]) -> None:
             if dry_run:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
+from sqlalchemy.engine import make_url
 
-from etl.cli.support import DbOption, fail, out, safe_url, store_engine, table_of
+from etl.cli.support import DbOption, fail, out, safe_url, table_of
 from etl.errors import EtlError
 from etl.settings import Settings
 
@@ -16,18 +18,24 @@ def prune(pipelines: Annotated[list[str], typer.Argument(help=(
               "Every pipeline that uses the store (files or module:attr): cache entries are shared by "
               "fingerprint, so what one pipeline no longer uses another may."))],
           retention_days: Annotated[float, typer.Option(help="Keep LLM call rows this many days.")] = 90.0,
+          drop_stage: Annotated[list[str] | None, typer.Option(help=(
+              "A stage the files no longer have whose results may go (repeat for several); only once no "
+              "worker runs the old files."))] = None,
           dry_run: Annotated[bool, typer.Option("--dry-run", help="Count the rows; delete nothing.")] = False,
           yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation.")] = False,
           db: DbOption = None) -> None:
     """Delete cache entries of stage fingerprints no pipeline uses any more (with their texts),
-    results of stages no pipeline has any more (with their typed rows), and LLM call rows older
-    than --retention-days; one transaction. Results of a live stage at an older fingerprint stay
-    (the document's answer until it is processed again)."""
+    results of stages given with --drop-stage (with their typed rows), and LLM call rows older
+    than --retention-days; one transaction. Refuses while the store shows that the files are not
+    what runs (another pipeline's rows, a stage with no result at the fingerprint they make).
+    Results of a live stage at an older fingerprint stay (the document's answer until it is
+    processed again). The store is not migrated."""
+    from connectors.store import make_engine  # noqa: PLC0415
+    from connectors.store.prune import Refused  # noqa: PLC0415
     from connectors.store.prune import prune as run_prune  # noqa: PLC0415
-    from connectors.store.prune import stored_pipelines, unproven_stages  # noqa: PLC0415
     from etl.pipeline import load_pipeline  # noqa: PLC0415
     from etl.runtime.calls import plans_by_tenant  # noqa: PLC0415
-    from etl.runtime.wiring import default_llm  # noqa: PLC0415
+    from etl.runtime.wiring import database_url, default_llm  # noqa: PLC0415
 
     if retention_days < 1:
         fail(f"--retention-days {retention_days:g}: keep at least 1 day (today's calls count against budgets)")
@@ -36,33 +44,26 @@ def prune(pipelines: Annotated[list[str], typer.Argument(help=(
         loaded = [load_pipeline(p) for p in pipelines]
     except EtlError as exc:
         fail(str(exc))
-    # per pipeline, its plans per tenant configuration ("": every tenant without its own)
-    plans = {p.name: plans_by_tenant(p, p.llm or default_llm(settings), settings.repairs) for p in loaded}
-    stages = {name: {plan.stage.name for tenant in by_tenant.values() for plan in tenant}
-              for name, by_tenant in plans.items()}
-    fingerprints = {plan.fingerprint for by_tenant in plans.values() for tenant in by_tenant.values() for plan in tenant}
+    # pipeline → tenant configuration ("": every tenant without its own) → stage → fingerprint
+    live = {p.name: {tenant: {plan.stage.name: plan.fingerprint for plan in plans} for tenant, plans in
+                     plans_by_tenant(p, p.llm or default_llm(settings), settings.repairs).items()} for p in loaded}
+    drop = frozenset(drop_stage or ())
+    url = db or database_url(loaded[0], settings)
+    location = make_url(url)
+    if location.get_backend_name() == "sqlite" and not Path(location.database or "").is_file():
+        fail(f"no store at {safe_url(url)}: nothing to prune (check --db or ETL_DATABASE_URL)")
+    engine = make_engine(url)  # not migrated: counting and deleting change no schema
 
-    def live(tenant: str, stage: str) -> set[str]:
-        """The fingerprints a tenant's documents get at ``stage``, in any of the pipelines."""
-        return {plan.fingerprint for by_tenant in plans.values()
-                for plan in by_tenant.get(tenant, by_tenant[""]) if plan.stage.name == stage}
+    def attempt(dry: bool) -> dict[str, int]:
+        try:
+            return run_prune(engine, live, retention_days, dry_run=dry, drop_stages=drop)
+        except Refused as exc:
+            fail(f"{'' if dry else 'nothing deleted: '}{exc}")
+        except Exception as exc:  # noqa: BLE001 - one line for the user
+            fail(f"{'cannot count what to prune' if dry else 'nothing deleted'}: {type(exc).__name__}: "
+                 f"{str(exc).splitlines()[0]}; run it as the tables' owner, on a store `etl db upgrade` has migrated")
 
-    engine, url = store_engine(db, loaded[0])
-    try:  # all read-only: the refusals below come before anything is deleted
-        others = sorted(stored_pipelines(engine) - set(stages))
-        unproven = unproven_stages(engine, live, set().union(*stages.values()))
-        counts = run_prune(engine, stages, fingerprints, retention_days, dry_run=True)
-    except Exception as exc:  # noqa: BLE001 - one line for the user
-        fail(f"cannot count what to prune: {type(exc).__name__}: {str(exc).splitlines()[0]}; "
-             "run it as the tables' owner")
-    if others:
-        fail(f"{safe_url(url)} also holds pipeline(s) {', '.join(others)}: give their files too (they may "
-             "use cache entries the others do not), or purge them first")
-    if unproven:
-        fail(f"{', '.join(unproven[:5])}{' …' if len(unproven) > 5 else ''}: cache entries, none at the "
-             "fingerprint the given pipelines make now for that tenant and stage: run the pipeline once since "
-             "it changed, or set the model settings (ETL_LLM_*) as `etl run` has them; pruning now would "
-             "delete what its runs use")
+    counts = attempt(True)
     kept = counts.pop("kept_stale_results", 0)
     total = sum(counts.values())
     out.print(table_of(f"prunable in {safe_url(url)}: {total} row(s)",
@@ -76,10 +77,7 @@ def prune(pipelines: Annotated[list[str], typer.Argument(help=(
         if not sys.stdin.isatty():
             fail("not a terminal to confirm on: pass --yes to delete, or --dry-run to count")
         typer.confirm(f"delete these {total} row(s)? This cannot be undone", abort=True)
-    try:
-        deleted = run_prune(engine, stages, fingerprints, retention_days, dry_run=False)
-    except Exception as exc:  # noqa: BLE001 - one line for the user
-        fail(f"nothing deleted: {type(exc).__name__}: {str(exc).splitlines()[0]}; run it as the tables' owner")
+    deleted = attempt(False)  # checked again in the deleting transaction
     deleted.pop("kept_stale_results", None)
     out.print(f"deleted {sum(deleted.values())} row(s)")
 

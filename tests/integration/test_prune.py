@@ -46,7 +46,7 @@ def test_prune_removes_only_what_no_live_stage_uses(tmp_path: Path, store_url: s
     # it has run, nothing proves its stages are what runs use (another model? settings?): refused.
     v2 = write(tmp_path / "v2.py", "p", half, ROUTE.format(instructions="Pick one, carefully."))
     early = invoke("prune", v2, "--dry-run", url=store_url)
-    assert early.exit_code == 1 and "default/route: cache entries, none at" in early.output  # type: ignore[attr-defined]
+    assert early.exit_code == 1 and "p/default/route: no result at the fingerprint" in early.output  # type: ignore[attr-defined]
     assert invoke("run", v2, url=store_url).exit_code == 0  # type: ignore[attr-defined]
     # Another pipeline in the same store, whose rows prune must not touch.
     other = write(tmp_path / "other.py", "q", docs, ROUTE.format(instructions="Choose."))
@@ -60,9 +60,12 @@ def test_prune_removes_only_what_no_live_stage_uses(tmp_path: Path, store_url: s
 
     refused = invoke("prune", v2, "--dry-run", url=store_url)
     assert refused.exit_code == 1 and "also holds pipeline(s) q" in refused.output  # type: ignore[attr-defined]
+    # v2 has no fields stage, but a worker may still run v1: its results go only when named.
+    named = invoke("prune", v2, other, "--yes", url=store_url)
+    assert named.exit_code == 1 and "p/fields: results of a stage the given files no longer have" in named.output  # type: ignore[attr-defined]
 
     before = counts(store_url, TABLES)
-    dry = invoke("prune", v2, other, "--dry-run", "--retention-days", "30", url=store_url)
+    dry = invoke("prune", v2, other, "--drop-stage", "fields", "--dry-run", "--retention-days", "30", url=store_url)
     assert dry.exit_code == 0, dry.output  # type: ignore[attr-defined]
     assert "dry run: nothing deleted" in dry.output  # type: ignore[attr-defined]
     assert "5 result(s) of live stages at an older fingerprint are kept" in dry.output  # type: ignore[attr-defined]
@@ -73,7 +76,7 @@ def test_prune_removes_only_what_no_live_stage_uses(tmp_path: Path, store_url: s
     # its pipeline no longer knowing the table); kept: v1's route results of those 5.
     assert rows(store_url, "SELECT count(*) FROM stage_results WHERE stage = 'fields'") == [(5,)]
     assert before["prune_fields"] == 10
-    done = invoke("prune", v2, other, "--yes", "--retention-days", "30", url=store_url)
+    done = invoke("prune", v2, other, "--drop-stage", "fields", "--yes", "--retention-days", "30", url=store_url)
     assert done.exit_code == 0, done.output  # type: ignore[attr-defined]
     after = counts(store_url, TABLES)
     assert after["llm_cache"] == before["llm_cache"] - 20 == 15  # v2's 5 route entries and q's 10 stay
@@ -115,8 +118,28 @@ def test_prune_refuses_when_one_tenant_s_entries_are_not_at_its_live_fingerprint
     assert invoke("run", str(ran), url=store_url).exit_code == 0  # type: ignore[attr-defined]
     before = counts(store_url, TABLES)
     refused = invoke("prune", str(other), "--yes", url=store_url)
-    assert refused.exit_code == 1 and "beta/route: cache entries, none at" in refused.output  # type: ignore[attr-defined]
+    assert refused.exit_code == 1 and "p/beta/route: no result at the fingerprint" in refused.output  # type: ignore[attr-defined]
     assert "acme/route" not in refused.output  # type: ignore[attr-defined]
     assert counts(store_url, TABLES) == before
     fine = invoke("prune", str(ran), "--yes", url=store_url)
     assert fine.exit_code == 0 and "nothing to delete" in fine.output, fine.output  # type: ignore[attr-defined]
+
+
+def test_prune_refuses_a_stage_name_another_pipeline_proves_and_never_creates_a_store(tmp_path: Path,
+                                                                                    store_url: str) -> None:
+    """Pipelines p and q both have a stage named route (the cache has no pipeline column); p's
+    prompt changes and has not run: q's entries at their live fingerprint prove nothing about p."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(f'{{"id": "{i}", "text": "doc {i}"}}\n' for i in range(5)))
+    p1 = write(tmp_path / "p1.py", "p", docs, ROUTE.format(instructions="Pick one."))
+    q = write(tmp_path / "q.py", "q", docs, ROUTE.format(instructions="Choose."))
+    for path in (p1, q):
+        assert invoke("run", path, url=store_url).exit_code == 0  # type: ignore[attr-defined]
+    p2 = write(tmp_path / "p2.py", "p", docs, ROUTE.format(instructions="Pick one, carefully."))
+    before = counts(store_url, TABLES[:4])
+    refused = invoke("prune", p2, q, "--yes", url=store_url)
+    assert refused.exit_code == 1 and "p/default/route: no result at the fingerprint" in refused.output  # type: ignore[attr-defined]
+    assert counts(store_url, TABLES[:4]) == before
+    missing = tmp_path / "typo.db"
+    gone = CliRunner().invoke(app, ["prune", p2, "--dry-run", "--db", f"sqlite:///{missing}"])
+    assert gone.exit_code == 1 and "no store at" in gone.output and not missing.exists()
