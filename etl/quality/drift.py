@@ -30,8 +30,9 @@ from etl.log import get_logger
 log = get_logger("etl.quality.drift")
 
 
-#: More distinct labels than this in two windows are not a label mix (label_shift is skipped).
-MAX_LABELS = 500
+#: More distinct labels than this, or than half the results of the two windows, are free text,
+#: not a label mix: label_shift is skipped.
+MAX_LABELS = 5000
 
 
 @dataclass(frozen=True)
@@ -135,39 +136,46 @@ def detect(engine: Engine, pipeline: str, window: int = 200, thresholds: Thresho
            baseline: int = BASELINE) -> list[Alert]:
     """Checks every tenant × stage with at least two windows of results; records and returns alerts.
 
-    The latest ``window`` results are compared with the first ``max(window, baseline)`` (fewer
-    where the stage has fewer before its latest window): a long baseline costs no false alarms (the
-    permutation test is exact for any two sizes) and lets a small window find a moved label — 10
-    documents of one intent among 50 cannot stand out against 50 others, but do against 1,000."""
+    The latest ``window`` results (by last update) are compared with the first ``max(window,
+    baseline)`` (fewer where the stage has fewer before its latest window), both at the fingerprint
+    of the stage's newest result: a deliberate change of prompt or model is a new reference, not
+    drift. A long baseline keeps false alarms at the permutation test's level (its p-value is valid
+    for any two sizes) and lets a small window find a moved label — 10 documents of one intent among
+    50 cannot stand out against 50 others, but do against 1,000."""
+    if window < 1 or baseline < 1:
+        raise ValueError(f"window={window}, baseline={baseline}: give positive counts of results")
     alerts: list[Alert] = []
     with engine.connect() as conn:
         groups = conn.execute(select(stage_results.c.tenant, stage_results.c.stage).where(
             stage_results.c.pipeline == pipeline).distinct()).all()
         for tenant, stage in groups:
-            where = (stage_results.c.pipeline == pipeline, stage_results.c.tenant == tenant,
-                     stage_results.c.stage == stage)
+            r = stage_results.c
+            where = [r.pipeline == pipeline, r.tenant == tenant, r.stage == stage]
+            newest = (r.updated_at.desc(), r.id.desc())
+            where.append(r.fingerprint == conn.execute(
+                select(r.fingerprint).where(*where).order_by(*newest).limit(1)).scalar_one())
             total = conn.execute(select(func.count()).select_from(stage_results).where(*where)).scalar_one()
             if total < 2 * window:
                 continue
-            first = [_output(o) for (o,) in conn.execute(select(stage_results.c.output).where(*where).order_by(
-                stage_results.c.id).limit(min(max(window, baseline), total - window)))]
-            last = [_output(o) for (o,) in conn.execute(
-                select(stage_results.c.output).where(*where).order_by(stage_results.c.id.desc()).limit(window))]
-            b, r = _window_metrics(first), _window_metrics(last)
+            last_ids = select(r.id).where(*where).order_by(*newest).limit(window).scalar_subquery()
+            last = [_output(o) for (o,) in conn.execute(select(r.output).where(r.id.in_(last_ids)))]
+            first = [_output(o) for (o,) in conn.execute(select(r.output).where(*where, r.id.not_in(last_ids)).order_by(
+                r.id).limit(min(max(window, baseline), total - window)))]
+            b, m = _window_metrics(first), _window_metrics(last)
             found = []
-            many = len(b["labels"].keys() | r["labels"].keys())
-            if many > MAX_LABELS:  # free text, not labels: nothing to test, and 4,000 splits of it cost
-                log.info("label_shift_skipped", pipeline=pipeline, tenant=tenant, stage=stage, labels=many)
-            elif b["labels"] and r["labels"]:
+            many = len(b["labels"].keys() | m["labels"].keys())
+            if many > MAX_LABELS or many > (len(first) + len(last)) / 2:  # free text, not labels
+                log.warning("label_shift_skipped", pipeline=pipeline, tenant=tenant, stage=stage, labels=many)
+            elif b["labels"] and m["labels"]:
                 # baseline/recent: the share, in each window, of the label that moved most; the
                 # p-value's floor 2 / (1 + B) is kept at alpha / 2, so that any alpha can be reached
-                p, moved = label_shift(b["labels"], r["labels"], max(3999, int(4 / thresholds.label_alpha) - 1))
-                found.append(("label_shift", b["labels"][moved] / len(first), r["labels"][moved] / len(last),
+                p, moved = label_shift(b["labels"], m["labels"], max(3999, int(4 / thresholds.label_alpha) - 1))
+                found.append(("label_shift", b["labels"][moved] / len(first), m["labels"][moved] / len(last),
                               -math.log10(p), -math.log10(thresholds.label_alpha)))
             # the metrics below compare a fixed change, whatever the window: not yet sample-size aware
-            change = abs(r["length"] - b["length"]) / b["length"] if b["length"] else 0.0
-            found.append(("output_length", b["length"], r["length"], change, thresholds.output_length_change))
-            found.append(("empty_field_rate", b["empty"], r["empty"], abs(r["empty"] - b["empty"]),
+            change = abs(m["length"] - b["length"]) / b["length"] if b["length"] else 0.0
+            found.append(("output_length", b["length"], m["length"], change, thresholds.output_length_change))
+            found.append(("empty_field_rate", b["empty"], m["empty"], abs(m["empty"] - b["empty"]),
                           thresholds.empty_field_rate))
             call_where = (llm_calls.c.pipeline == pipeline, llm_calls.c.tenant == tenant, llm_calls.c.stage == stage)
             c_first = conn.execute(select(llm_calls.c.outcome, llm_calls.c.error).where(*call_where)

@@ -145,3 +145,22 @@ async def test_tenant_overrides_change_prompt_and_key_for_that_tenant_only(sqlit
     assert "Acme style" in acme and "acme-vip" in acme and "Acme" not in globex and "acme-vip" not in globex
     assert len(prompts) == 1  # same document text, two prompts, two fingerprints
     assert len({k for (k,) in rows(sqlite_url, "SELECT fingerprint FROM stage_results")}) == 2
+
+
+async def test_a_deliberate_model_change_is_a_new_reference_not_drift(store_url: str) -> None:
+    """The windows hold one fingerprint, the newest result's: a new model (or prompt) answering
+    another label mix starts a new reference instead of alerting forever against the old one."""
+    def docs(first: int) -> list[dict[str, str]]:
+        return [{"id": f"d{i}", "tenant": "t", "text": f"[t] ticket #{i}"} for i in range(first, first + 400)]
+
+    stage = [Classify(LABELS, "Route.", name="route")]
+    old = FakeLLM(answer=lambda request: {"label": LABELS[int(request.messages[-1]["content"].split("#")[1]) % 4]},
+                  model_id="provider-model-v1")
+    await run_pipeline(Pipeline("support", ListSource(docs(0)), stage, store=store_url), llm=old)
+    new = FakeLLM(answer=lambda request: {"label": "other"}, model_id="provider-model-v2")
+    await run_pipeline(Pipeline("support", ListSource(docs(400)), stage, store=store_url), llm=new)
+    assert [a.metric for a in detect(make_engine(store_url), "support", window=100)] == []
+    # the same answers under the old fingerprint would have been drift: the test can fail
+    moved = FakeLLM(answer=lambda request: {"label": "other"}, model_id="provider-model-v1")
+    await run_pipeline(Pipeline("support", ListSource(docs(800)), stage, store=store_url), llm=moved)
+    assert "label_shift" in [a.metric for a in detect(make_engine(store_url), "support", window=100)]
