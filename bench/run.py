@@ -391,25 +391,26 @@ def _fill_sql(fingerprint: str, start: int, end: int) -> list[str]:
     pipeline's own (one Classify stage, two tenants, four partitions): PostgreSQL generates them
     itself, so a bulk load is bounded by the server, not by a client."""
     g = f"generate_series({start}, {end - 1}) AS g"
+    doc = "md5('big' || g)"  # random-looking keys, the key space of random_ids(): replays probe all of the index
     key = "encode(sha256(('c' || g)::bytea), 'hex')"
     content = "encode(sha256(('t' || g)::bytea), 'hex')"
     tenant = "CASE WHEN g % 2 = 0 THEN 'acme' ELSE 'globex' END"
     label = "(ARRAY['billing', 'technical', 'account', 'other'])[1 + g % 4]"
     return [
         "INSERT INTO documents (pipeline, tenant, doc_key, content_hash, stream, partition, message_offset, received_at) "
-        f"SELECT 'bench', {tenant}, 'big-' || g, {content}, 'bench-big', g % 4, g / 4, now() FROM {g}",
+        f"SELECT 'bench', {tenant}, {doc}, {content}, 'bench-big', g % 4, g / 4, now() FROM {g}",
         "INSERT INTO llm_cache (cache_key, tenant, stage, fingerprint, output, model, tokens_in, tokens_out, cost, "
         f"structured, created_at) SELECT {key}, {tenant}, 'route', '{fingerprint}', "
         f"jsonb_build_object('label', {label}, 'confidence', NULL), 'fake', 450, 8, 0.0000723, 'json_schema', now() "
         f"FROM {g}",
         "INSERT INTO stage_results (pipeline, tenant, doc_key, stage, output, cache_key, fingerprint, model, prompt_hash, "
         "schema_hash, cache_hit, attempts, tokens_in, tokens_out, cost, latency_ms, structured, created_at, updated_at) "
-        f"SELECT 'bench', {tenant}, 'big-' || g, 'route', jsonb_build_object('label', {label}, 'confidence', NULL), "
+        f"SELECT 'bench', {tenant}, {doc}, 'route', jsonb_build_object('label', {label}, 'confidence', NULL), "
         f"{key}, '{fingerprint}', 'fake', '{fingerprint}', '{fingerprint}', false, 1, 450, 8, 0.0000723, 200.0, "
         f"'json_schema', now(), now() FROM {g}",
         "INSERT INTO llm_calls (pipeline, tenant, stage, doc_key, cache_key, model, outcome, tokens_in, tokens_out, cost, "
-        f"latency_ms, created_at, call_id) SELECT 'bench', {tenant}, 'route', 'big-' || g, {key}, 'fake', 'ok', 450, 8, "
-        f"0.0000723, 200.0, now(), md5('call' || g) FROM {g}",
+        f"latency_ms, created_at, call_id) SELECT 'bench', {tenant}, 'route', {doc}, {key}, 'fake', 'ok', 450, 8, "
+        f"0.0000723, 200.0, now() - g * interval '100 ms', md5('call' || g) FROM {g}",  # a year of calls, in order
     ]
 
 
@@ -417,7 +418,7 @@ def _store_bytes(conn: Any) -> dict[str, int]:
     return {t: int(conn.execute(text(f"SELECT pg_total_relation_size('{t}')")).scalar_one()) for t in STORE_TABLES}
 
 
-def big_store(schema: str = "bench_store") -> tuple[str, list[tuple[int, dict[str, int]]], bool]:
+def big_store(schema: str = "bench_store_v2") -> tuple[str, list[tuple[int, dict[str, int]]], bool]:
     """A store of STORE_ROWS documents with their result, cache entry and call row, bulk-loaded
     (indexes dropped, rows made by the server, indexes built once), kept between bench runs.
     Returns its URL, (rows, bytes per table) at 1/10 and at the full size, and whether this call
@@ -484,6 +485,12 @@ def big_store(schema: str = "bench_store") -> tuple[str, list[tuple[int, dict[st
     return url, sizes, True
 
 
+def random_ids(docs: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The documents with random hex ids (32 characters), as the loaded store's keys are: the two
+    interleave in every index, as a production store's keys do."""
+    return [{**doc, "id": uuid.uuid4().hex} for doc in docs]
+
+
 def store_figures() -> list[Figure]:
     """Replay and the cold path on a store of STORE_ROWS documents against a near-empty one, in
     the same run, alternating; bytes on disk per document at 1/10 and at the full size."""
@@ -491,12 +498,13 @@ def store_figures() -> list[Figure]:
     big, sizes, loaded = big_store()
     load_s = time.perf_counter() - loaded_at
     n = 100_000
+    seed = int(time.time())  # the kept store must never have seen this run's contents
     topic = new_topic()
-    produce(topic, tickets(n, seed=31337))
+    produce(topic, random_ids(tickets(n, seed=seed)))
     empty = fresh_schema()
     for url in (empty, big):  # process everything once into each store
         run_idem(topic, url, FakeLLM(), in_flight=REPLAY_IN_FLIGHT)
-    replay, cold, rates = [], [], {"empty": [], "big": []}
+    replay, cold, write, rates = [], [], [], {"empty": [], "big": []}
     concurrency = 64
     m = int(6.0 * concurrency / MEAN_S)
     for r in range(RUNS):
@@ -508,7 +516,7 @@ def store_figures() -> list[Figure]:
         replay.append(got["big"] / got["empty"])
         steady = {}
         cold_topic = new_topic()
-        produce(cold_topic, tickets(m, seed=5_000_000 + r))
+        produce(cold_topic, random_ids(tickets(m, seed=seed + 1 + r)))
         for name, url in (("empty", empty), ("big", big)) if r % 2 == 0 else (("big", big), ("empty", empty)):
             done, _, marks = run_idem(cold_topic, url, FakeLLM(latency_s=lognormal(MEDIAN_S, SIGMA, seed=r)),
                                       in_flight=concurrency)
@@ -516,18 +524,31 @@ def store_figures() -> list[Figure]:
             steady[name] = steady_rate(marks, m)
             rates[name].append(steady[name])
         cold.append(steady["big"] / steady["empty"])
+        # the write path at full speed: new documents, an instant model, 256 in flight (the store is the bound)
+        fast = {}
+        write_topic = new_topic()
+        produce(write_topic, random_ids(tickets(20_000, seed=seed + 100 + r)))
+        for name, url in (("empty", empty), ("big", big)) if r % 2 == 0 else (("big", big), ("empty", empty)):
+            done, seconds, _ = run_idem(write_topic, url, FakeLLM(), in_flight=256)
+            assert done == 20_000
+            fast[name] = done / seconds
+        write.append(fast["big"] / fast["empty"])
         log(f"store run {r}: replay {got['big']:.0f} vs {got['empty']:.0f} msgs/s ({replay[-1]:.3f}); cold c=64 "
-            f"{steady['big']:.1f} vs {steady['empty']:.1f} msgs/s ({cold[-1]:.3f})")
+            f"{steady['big']:.1f} vs {steady['empty']:.1f} msgs/s ({cold[-1]:.3f}); write path {fast['big']:.0f} vs "
+            f"{fast['empty']:.0f} msgs/s ({write[-1]:.3f})")
     env = {**os.environ, "ETL_KAFKA_BOOTSTRAP": KAFKA, "BENCH_TOPIC": topic, "BENCH_REPLAY": "1",
            "ETL_MAX_IN_FLIGHT": str(REPLAY_IN_FLIGHT), "ETL_FLUSH_SIZE": "2000"}
     peaks = {name: rss_of_replay({**env, "ETL_DATABASE_URL": url})[0] for name, url in (("empty", empty), ("big", big))}
     (small_rows, small), (full_rows, full) = sizes
+    with create_engine(empty).connect() as conn:  # a store grown by idem-etl's own inserts, not built in one pass
+        grown = sum(_store_bytes(conn).values()) / conn.execute(text("SELECT count(*) FROM documents")).scalar_one()
     per_doc = {t: full[t] / full_rows for t in STORE_TABLES}
     note = (f"{full_rows:,} documents, each with its result, cache entry and call row ({4 * full_rows:,} rows), made "
             f"by PostgreSQL itself (INSERT … SELECT generate_series, indexes dropped and built after): " +
             (f"loaded in {load_s / 60:.1f} min" if loaded else "kept from an earlier run") +
             f"; PostgreSQL at its defaults (shared_buffers {_setting('shared_buffers')}). Replay: {n:,} processed "
-            f"messages; cold: {m:,} new messages at concurrency {concurrency}, FakeLLM lognormal "
+            f"messages with random 32-hex ids (the loaded keys are md5 hex: both interleave in the indexes); cold: {m:,} "
+            f"new messages at concurrency {concurrency}, FakeLLM lognormal "
             f"{MEDIAN_S * 1000:.0f} ms; each run does both stores, in alternating order")
     return [
         summary(f"store of {full_rows:,} documents: replay ÷ the same on a near-empty store", replay, "≥ 0.9", "ratio",
@@ -535,12 +556,18 @@ def store_figures() -> list[Figure]:
         summary("  cold path, concurrency 64: steady throughput ÷ the same on a near-empty store", cold, "≥ 0.9",
                 "ratio", met=lambda v: v >= 0.9),
         summary("  cold path steady throughput, large store", rates["big"], "", "msgs/s"),
+        summary("  write path (20,000 new documents, instant model, 256 in flight) ÷ the same on a near-empty store",
+                write, "", "ratio"),
         summary("  peak RSS of a replay (`etl run`), large store ÷ near-empty store", [peaks["big"] / peaks["empty"]],
                 "flat (≤ 1.1)", "ratio", met=lambda v: v <= 1.1),
         summary(f"  bytes on disk per document at {full_rows:,} (4 tables with their indexes)",
                 [sum(full.values()) / full_rows], "", "bytes",
                 note=", ".join(f"{t} {per_doc[t]:.0f}" for t in STORE_TABLES)),
         summary(f"  bytes on disk per document at {small_rows:,}", [sum(small.values()) / small_rows], "", "bytes"),
+        summary("  bytes on disk per document written by idem-etl itself (the near-empty store, indexes grown "
+                "by inserts)", [grown], "", "bytes",
+                note="the loaded store's indexes are built in one pass, packed fuller than ones grown by inserts: "
+                     "its figures are a lower bound"),
     ]
 
 
@@ -599,15 +626,18 @@ def quix_figures(n: int = 100_000, m: int = 80) -> list[Figure]:
     group = f"quix-{uuid.uuid4().hex[:8]}"
     first = run_quix(topic, group, folder)
     assert first["messages"] == first["calls"] == n, first
-    replay, idem_rates, quix_rates, quix_steady = [], [], [], []
+    replay, idem_rates, quix_rates, quix_steady, idem_steady, steady = [], [], [], [], [], []
     for r in range(RUNS):
         rewind(topic, group)
         got = {}
         for side in ("idem", "quix") if r % 2 == 0 else ("quix", "idem"):
             if side == "idem":
-                done, seconds, _ = run_idem(topic, url, FakeLLM(), in_flight=REPLAY_IN_FLIGHT)
+                done, seconds, marks = run_idem(topic, url, FakeLLM(), in_flight=REPLAY_IN_FLIGHT)
                 assert done == n
                 got["idem"] = n / seconds
+                # from the first commit that settled messages to the last (start-up left out, as for Quix)
+                first = next((t, k) for t, k in marks if k > 0)
+                idem_steady.append((n - first[1]) / (marks[-1][0] - first[0]))
             else:
                 q = run_quix(topic, group, folder)
                 assert q["messages"] == n and q["calls"] == 0, q
@@ -616,6 +646,7 @@ def quix_figures(n: int = 100_000, m: int = 80) -> list[Figure]:
         idem_rates.append(got["idem"])
         quix_rates.append(got["quix"])
         replay.append(got["idem"] / got["quix"])
+        steady.append(idem_steady[-1] / quix_steady[-1])
         log(f"quix replay run {r}: idem {got['idem']:.0f}/s quix {got['quix']:.0f}/s ({replay[-1]:.3f}); "
             f"quix first to last message {quix_steady[-1]:.0f}/s")
     ideal1 = 1 / MEAN_S
@@ -655,7 +686,10 @@ def quix_figures(n: int = 100_000, m: int = 80) -> list[Figure]:
                      "group. Both timed from creating their consumer (Quix: its Application) to the last message"),
         summary("  idem-etl replay", idem_rates, "", "msgs/s"),
         summary("  Quix Streams replay", quix_rates, "", "msgs/s"),
-        summary("  Quix Streams replay, first to last message (its start-up left out)", quix_steady, "", "msgs/s"),
+        summary("  the same, start-up left out (idem-etl: first to last commit; Quix: first to last message)",
+                steady, "", "ratio"),
+        summary("  idem-etl replay, first to last commit", idem_steady, "", "msgs/s"),
+        summary("  Quix Streams replay, first to last message", quix_steady, "", "msgs/s"),
         summary(f"cold path ({m} new messages, 4 partitions), one process each: idem-etl (4 in flight) ÷ Quix Streams",
                 one, "≥ 2.0", "ratio", met=lambda v: v >= 2.0,
                 note=f"the same FakeLLM latency (lognormal, median {MEDIAN_S * 1000:.0f} ms, sigma {SIGMA}) on both; "
@@ -671,7 +705,8 @@ def quix_figures(n: int = 100_000, m: int = 80) -> list[Figure]:
 
 
 def _cpu_s(name: str) -> float:
-    """CPU seconds (user + system) of every process whose command name is ``name`` (postgres, java)."""
+    """CPU seconds (user + system) of every process whose command name is ``name`` (postgres, java),
+    with their reaped children's (PostgreSQL's postmaster collects each closed connection's time)."""
     tick = os.sysconf("SC_CLK_TCK")
     total = 0.0
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -679,7 +714,7 @@ def _cpu_s(name: str) -> float:
             fields = stat.read_text().rsplit(")", 1)
             if fields[0].split("(", 1)[1] == name:
                 parts = fields[1].split()
-                total += (int(parts[11]) + int(parts[12])) / tick
+                total += sum(int(v) for v in parts[11:15]) / tick  # utime stime cutime cstime
         except (OSError, IndexError, ValueError):
             continue
     return total
@@ -706,7 +741,7 @@ def capacity_figures(n: int = 20_000) -> list[Figure]:
     the broker per 1,000 documents, on the write path (new documents, an instant model, 256 in
     flight: the most a store is asked to write) and on a replay; and the store calls' latency."""
     out: dict[str, list[float]] = {}
-    calls: dict[str, list[tuple[float, int]]] = {}
+    calls: dict[str, dict[str, list[tuple[float, int]]]] = {}
     for r in range(RUNS):
         topic = new_topic()
         produce(topic, tickets(n, seed=7_000_000 + r))
@@ -715,7 +750,7 @@ def capacity_figures(n: int = 20_000) -> list[Figure]:
             pipeline = Pipeline("bench", KafkaSource(topic, replay_from="start"), [STAGE], store=url, review=None)
             runner = build_runner(pipeline, Settings(kafka_bootstrap=KAFKA, max_in_flight=in_flight, flush_size=2000),
                                   llm=FakeLLM())
-            _timed(runner.store, ("write", "claim_many", "lookup", "unsettled"), calls)
+            _timed(runner.store, ("write", "claim_many", "lookup", "unsettled"), calls.setdefault(path, {}))
             pg, broker, own = _cpu_s("postgres"), _cpu_s("java"), time.process_time()
             started = time.perf_counter()
             stats = asyncio.run(runner.run())
@@ -727,11 +762,11 @@ def capacity_figures(n: int = 20_000) -> list[Figure]:
             out.setdefault(f"{path} rate", []).append(n / seconds)
         log(f"capacity run {r}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in out.items()))
 
-    def per_call(name: str, of: int) -> list[float]:  # latency (ms), or items, of each call
-        return [s * 1000 if of == 0 else k for s, k in calls.get(name, [])] or [float("nan")]
+    def per_call(path: str, name: str, of: int) -> list[float]:  # latency (ms), or items, of each call
+        return [s * 1000 if of == 0 else k for s, k in calls[path].get(name, [])] or [float("nan")]
 
-    def per_item(name: str) -> list[float]:
-        return [s * 1e6 / k for s, k in calls.get(name, []) if k >= 100] or [float("nan")]
+    def per_item(path: str, name: str) -> list[float]:
+        return [s * 1e6 / k for s, k in calls[path].get(name, []) if k >= 100] or [float("nan")]
 
     note = (f"{n:,} new documents per run (FakeLLM without latency, ETL_MAX_IN_FLIGHT=256, flush 2,000), then "
             f"their replay (in flight {REPLAY_IN_FLIGHT}); one worker process; CPU from /proc (postgres, java "
@@ -745,12 +780,14 @@ def capacity_figures(n: int = 20_000) -> list[Figure]:
         summary("  worker CPU per 1,000 replayed messages", out["replay worker"], "", "ms"),
         summary("  PostgreSQL CPU per 1,000 replayed messages", out["replay postgres"], "", "ms"),
         summary("  broker CPU per 1,000 replayed messages", out["replay broker"], "", "ms"),
-        summary("  store.write: results per commit (every commit of the runs)", per_call("write", 1), "", "rows"),
-        summary("  store.write: one commit", per_call("write", 0), "", "ms"),
-        summary("  store.write per result (commits of ≥ 100)", per_item("write"), "", "µs"),
-        summary("  store.claim_many per key (claims of ≥ 100)", per_item("claim_many"), "", "µs"),
-        summary("  store.lookup per document (look-ups of ≥ 100)", per_item("lookup"), "", "µs"),
-        summary("  store.unsettled per message (replay checks of ≥ 100)", per_item("unsettled"), "", "µs"),
+        summary("  write path: results per commit (every commit of the runs, not runs)", per_call("write", "write", 1),
+                "", "rows"),
+        summary("  write path: one commit (store.write)", per_call("write", "write", 0), "", "ms"),
+        summary("  write path: store.write per result (commits of ≥ 100)", per_item("write", "write"), "", "µs"),
+        summary("  write path: store.claim_many per key (claims of ≥ 100)", per_item("write", "claim_many"), "", "µs"),
+        summary("  write path: store.lookup per document (look-ups of ≥ 100)", per_item("write", "lookup"), "", "µs"),
+        summary("  replay: store.unsettled per message (checks of ≥ 100)", per_item("replay", "unsettled"), "", "µs"),
+        summary("  replay: one commit of positions (store.write)", per_call("replay", "write", 0), "", "ms"),
     ]
     return figures
 
@@ -777,7 +814,7 @@ def machine() -> list[str]:
 
 
 def fmt(v: float, unit: str) -> str:
-    return f"{v:,.0f}" if unit in ("msgs/s", "bytes") else f"{v:,.1f}" if unit in ("MB", "s", "ms", "µs") else \
+    return f"{v:,.0f}" if unit in ("msgs/s", "bytes", "rows") else f"{v:,.1f}" if unit in ("MB", "s", "ms", "µs") else \
         f"{v:.6f}" if unit == "USD" else f"{v:.3f}"
 
 
