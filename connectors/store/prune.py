@@ -69,9 +69,9 @@ def check(conn: Connection, live: Live, drop_stages: Set[str] = frozenset()) -> 
             unproven.append(f"{pipeline}/{tenant}/{stage}")
     if unproven:
         raise Refused(f"{', '.join(sorted(unproven)[:5])}{' …' if len(unproven) > 5 else ''}: no result at the "
-                      "fingerprint the given files make now: run the pipeline once since it changed, or "
-                      "set the model settings (ETL_LLM_*) as `etl run` has them; pruning now would delete what its "
-                      "runs use")
+                      "fingerprint the given files make now: process its documents once since it changed (a tenant "
+                      "that sends nothing new: `etl replay`), or set the model settings (ETL_LLM_*) as `etl run` has "
+                      "them; pruning now would delete what its runs use")
     if dropped:
         raise Refused(f"{', '.join(sorted(dropped))}: results of a stage the given files no longer have: once no "
                       "worker runs the old files, name each with --drop-stage to delete its results")
