@@ -14,6 +14,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy import create_engine, text
 
 from etl import Classify, ListSource, Pipeline, Router
@@ -145,7 +146,8 @@ def test_a_student_never_answers_for_another_fingerprint_or_tenant(sqlite_url: s
     assert rows(sqlite_url, "SELECT count(*) FROM stage_results WHERE answered_by IS NOT NULL") == [(0,)]
 
 
-def test_shadow_checks_switch_the_student_off_when_the_llm_changes(store_url: str) -> None:
+def test_shadow_checks_switch_the_student_off_when_the_llm_changes(store_url: str,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     llm = teacher()
     student = taught(store_url, llm)
     assert student.status == "active", student.reason
@@ -162,6 +164,9 @@ def test_shadow_checks_switch_the_student_off_when_the_llm_changes(store_url: st
     assert alerts[0][2] < alerts[0][1] and alerts[0][3] > alerts[0][4]  # score -log10 p over -log10(alpha / 2)
     # Bounded: the checks it takes to be sure (about min_checks) over the shadowed share of the
     # student's documents, with margin; everything after goes to the LLM again.
+    with capsys.disabled():  # the figure belongs in CI's output
+        checks = rows(store_url, f"SELECT count(*) FROM router_checks WHERE student_id = {student.student_id}")[0][0]
+        print(f"\nshadow switch-off: {stats.student_answers} student answers, {checks} shadow checks before off")
     assert 0 < stats.student_answers <= 3 * watch.min_checks / watch.shadow_rate
     late = rows(store_url, "SELECT count(*) FROM stage_results WHERE doc_key IN ("
                 + ",".join(f"'s{i}'" for i in range(1200, 1500)) + ") AND answered_by IS NOT NULL")
