@@ -10,9 +10,8 @@ until the document is processed again (``etl replay`` recomputes it).
 
 The store holds no record of which pipelines use it, so a prune is given all of them, and trusts
 that the given files and settings are what runs only once the store shows it (``check``, in the
-deleting transaction): no other pipeline's rows, a result of each stage at the fingerprint the
-files make (a result there shows they ran), and a stage the files no longer have named
-explicitly.
+deleting transaction): no other pipeline's rows, each stage's newest answer at the fingerprint the
+files make (they are what ran last), and a stage the files no longer have named explicitly.
 """
 
 from __future__ import annotations
@@ -34,44 +33,70 @@ class Refused(Exception):  # noqa: N818 - it says what happened: nothing was del
     """Pruning now could delete what a live pipeline uses; nothing was deleted."""
 
 
+#: Tables whose rows say where a pipeline has been, not what it uses (a retired pipeline whose
+#: tenants were purged leaves its positions behind).
+_NOT_USE = {"source_positions", "llm_claims"}
+
+
 def stored_pipelines(conn: Connection) -> set[str]:
-    """Pipelines with any row in the store (results, letters, calls, batches, students, …; a
-    pipeline's evals cost under ``<pipeline>#eval``)."""
+    """Pipelines with rows that use the store's answers (results, letters, calls, batches, students,
+    …; a pipeline's evals cost under ``<pipeline>#eval``)."""
     names: set[str] = set()
     present = set(inspect(conn).get_table_names())
     for table in metadata.tables.values():
-        if "pipeline" in table.c and table.name in present:
+        if "pipeline" in table.c and table.name in present and table.name not in _NOT_USE:
             names.update(conn.execute(select(table.c.pipeline).distinct()).scalars())
     return {name.removesuffix("#eval") for name in names if name is not None}
 
 
+def _configuration(by_tenant: Mapping[str, Mapping[str, str]], tenant: str) -> str:
+    return tenant if tenant in by_tenant else ""
+
+
 def check(conn: Connection, live: Live, drop_stages: Set[str] = frozenset()) -> None:
-    """Raises Refused unless the given pipelines are all the store holds, and each is what runs:
-    each of its tenants' stages with results has one at the fingerprint ``live`` gives it (else it
-    changed and has not run since, or runs with other model settings, ETL_LLM_*), and a stage it
-    no longer has is named in ``drop_stages`` (another worker may still run the old file)."""
+    """Raises Refused unless the given pipelines are all the store holds, and each is what runs.
+
+    What runs is told by the newest answer each pipeline paid for or reused (its ``llm_calls`` row
+    with the highest id, joined to the cache entry that gives its fingerprint) per tenant
+    configuration and stage: it must be at the fingerprint ``live`` gives (else the files changed
+    and have not run since, an old file or other model settings, ETL_LLM_*, are given). Where no
+    such call row is left (pruned by retention), a result at the live fingerprint will do. A stage
+    the files no longer have must be named in ``drop_stages`` (bare or as ``pipeline/stage``):
+    another worker may still run the old file."""
     others = sorted(stored_pipelines(conn) - set(live))
     if others:
         raise Refused(f"the store also holds pipeline(s) {', '.join(others)}: give their files too (they may use "
-                      "cache entries the others do not), or purge them first")
-    r = stage_results.c
-    found: dict[tuple[str, str, str], set[str]] = {}
+                      "cache entries the others do not), or `etl tenant purge` their tenants first")
+    c, k, r = llm_calls.c, llm_cache.c, stage_results.c
+    newest = select(c.pipeline, c.tenant, c.stage, func.max(c.id).label("id")).join(
+        llm_cache, k.cache_key == c.cache_key).where(c.pipeline.in_(sorted(live))).group_by(
+        c.pipeline, c.tenant, c.stage).subquery()
+    called: dict[tuple[str, str, str], tuple[int, str]] = {}
+    for pipeline, tenant, stage, id_, fingerprint in conn.execute(
+            select(newest.c.pipeline, newest.c.tenant, newest.c.stage, newest.c.id, k.fingerprint).join(
+                llm_calls, c.id == newest.c.id).join(llm_cache, k.cache_key == c.cache_key)):
+        at = (pipeline, _configuration(live[pipeline], tenant), stage)
+        if at not in called or id_ > called[at][0]:
+            called[at] = (id_, fingerprint)
+    results: dict[tuple[str, str, str], set[str]] = {}
     for pipeline, tenant, stage, fingerprint in conn.execute(
             select(r.pipeline, r.tenant, r.stage, r.fingerprint).where(r.pipeline.in_(sorted(live))).distinct()):
-        found.setdefault((pipeline, tenant, stage), set()).add(fingerprint)
+        results.setdefault((pipeline, _configuration(live[pipeline], tenant), stage), set()).add(fingerprint)
     unproven, dropped = [], set()
-    for (pipeline, tenant, stage), fingerprints in found.items():
+    for pipeline, configuration, stage in sorted(results.keys() | called.keys()):
         by_tenant = live[pipeline]
         if stage not in {name for stages in by_tenant.values() for name in stages}:
-            if stage not in drop_stages:
+            if stage not in drop_stages and f"{pipeline}/{stage}" not in drop_stages:
                 dropped.add(f"{pipeline}/{stage}")
-        elif by_tenant.get(tenant, by_tenant[""]).get(stage) not in fingerprints:
-            unproven.append(f"{pipeline}/{tenant}/{stage}")
+            continue
+        fingerprint = by_tenant[configuration].get(stage)
+        at = (pipeline, configuration, stage)
+        if fingerprint not in ({called[at][1]} if at in called else results.get(at, set())):
+            unproven.append(f"{pipeline}/{configuration or 'default configuration'}/{stage}")
     if unproven:
-        raise Refused(f"{', '.join(sorted(unproven)[:5])}{' …' if len(unproven) > 5 else ''}: no result at the "
-                      "fingerprint the given files make now: process its documents once since it changed (a tenant "
-                      "that sends nothing new: `etl replay`), or set the model settings (ETL_LLM_*) as `etl run` has "
-                      "them; pruning now would delete what its runs use")
+        raise Refused(f"{', '.join(unproven[:5])}{' …' if len(unproven) > 5 else ''}: its newest answer is not at "
+                      "the fingerprint the given files make: give the files (and the model settings, ETL_LLM_*) "
+                      "that run now, or run them once since they changed; pruning now would delete what runs use")
     if dropped:
         raise Refused(f"{', '.join(sorted(dropped))}: results of a stage the given files no longer have: once no "
                       "worker runs the old files, name each with --drop-stage to delete its results")
@@ -90,7 +115,9 @@ def prune(engine: Engine, live: Live, retention_days: float, *, dry_run: bool, d
     cutoff = (now or datetime.now(timezone.utc)) - timedelta(days=retention_days)
     r = stage_results.c
     counts: dict[str, int] = {}
-    with engine.connect() as conn, conn.begin() as transaction:
+    # one snapshot for the check and the deletes (PostgreSQL's default gives each statement its own)
+    options = {"isolation_level": "REPEATABLE READ"} if engine.dialect.name == "postgresql" else {}
+    with engine.connect().execution_options(**options) as conn, conn.begin() as transaction:
         if conn.dialect.name == "postgresql":
             # As the owner: a role under tenant policies would see (and delete) only its tenants'.
             conn.exec_driver_sql("SET LOCAL row_security = off")

@@ -27,7 +27,7 @@ def prune(pipelines: Annotated[list[str], typer.Argument(help=(
     """Delete cache entries of stage fingerprints no pipeline uses any more (with their texts),
     results of stages given with --drop-stage (with their typed rows), and LLM call rows older
     than --retention-days; one transaction. Refuses while the store shows that the files are not
-    what runs (another pipeline's rows, a stage with no result at the fingerprint they make).
+    what runs (another pipeline's rows, a stage whose newest answer is at another fingerprint).
     Results of a live stage at an older fingerprint stay (the document's answer until it is
     processed again). The store is not migrated."""
     from connectors.store import make_engine  # noqa: PLC0415
@@ -44,6 +44,10 @@ def prune(pipelines: Annotated[list[str], typer.Argument(help=(
         loaded = [load_pipeline(p) for p in pipelines]
     except EtlError as exc:
         fail(str(exc))
+    names = [p.name for p in loaded]
+    if len(set(names)) < len(names):
+        fail(f"pipeline(s) {', '.join(sorted({n for n in names if names.count(n) > 1}))} given twice: give the one "
+             "file each pipeline runs now")
     # pipeline → tenant configuration ("": every tenant without its own) → stage → fingerprint
     live = {p.name: {tenant: {plan.stage.name: plan.fingerprint for plan in plans} for tenant, plans in
                      plans_by_tenant(p, p.llm or default_llm(settings), settings.repairs).items()} for p in loaded}

@@ -46,7 +46,7 @@ def test_prune_removes_only_what_no_live_stage_uses(tmp_path: Path, store_url: s
     # it has run, nothing proves its stages are what runs use (another model? settings?): refused.
     v2 = write(tmp_path / "v2.py", "p", half, ROUTE.format(instructions="Pick one, carefully."))
     early = invoke("prune", v2, "--dry-run", url=store_url)
-    assert early.exit_code == 1 and "p/default/route: no result at the fingerprint" in early.output  # type: ignore[attr-defined]
+    assert early.exit_code == 1 and "p/default configuration/route: its newest answer is not at" in early.output  # type: ignore[attr-defined]
     assert invoke("run", v2, url=store_url).exit_code == 0  # type: ignore[attr-defined]
     # Another pipeline in the same store, whose rows prune must not touch.
     other = write(tmp_path / "other.py", "q", docs, ROUTE.format(instructions="Choose."))
@@ -118,7 +118,7 @@ def test_prune_refuses_when_one_tenant_s_entries_are_not_at_its_live_fingerprint
     assert invoke("run", str(ran), url=store_url).exit_code == 0  # type: ignore[attr-defined]
     before = counts(store_url, TABLES)
     refused = invoke("prune", str(other), "--yes", url=store_url)
-    assert refused.exit_code == 1 and "p/beta/route: no result at the fingerprint" in refused.output  # type: ignore[attr-defined]
+    assert refused.exit_code == 1 and "p/default configuration/route: its newest answer is not at" in refused.output  # type: ignore[attr-defined]
     assert "acme/route" not in refused.output  # type: ignore[attr-defined]
     assert counts(store_url, TABLES) == before
     fine = invoke("prune", str(ran), "--yes", url=store_url)
@@ -138,8 +138,48 @@ def test_prune_refuses_a_stage_name_another_pipeline_proves_and_never_creates_a_
     p2 = write(tmp_path / "p2.py", "p", docs, ROUTE.format(instructions="Pick one, carefully."))
     before = counts(store_url, TABLES[:4])
     refused = invoke("prune", p2, q, "--yes", url=store_url)
-    assert refused.exit_code == 1 and "p/default/route: no result at the fingerprint" in refused.output  # type: ignore[attr-defined]
+    assert refused.exit_code == 1 and "p/default configuration/route: its newest answer is not at" in refused.output  # type: ignore[attr-defined]
     assert counts(store_url, TABLES[:4]) == before
     missing = tmp_path / "typo.db"
     gone = CliRunner().invoke(app, ["prune", p2, "--dry-run", "--db", f"sqlite:///{missing}"])
     assert gone.exit_code == 1 and "no store at" in gone.output and not missing.exists()
+
+
+def test_prune_trusts_what_ran_last_per_tenant_configuration(tmp_path: Path, store_url: str) -> None:
+    """v1 ran, then v2 (a new prompt) for one tenant only: the old file is refused (v2's entries
+    are live), the same pipeline twice is refused, and the tenant that sent nothing since does
+    not block v2 (tenants without a configuration of their own share its fingerprint)."""
+    both = tmp_path / "both.jsonl"
+    both.write_text("".join(f'{{"id": "{i}", "text": "doc {i}", "tenant": "{t}"}}\n'
+                            for i in range(5) for t in ("acme", "quiet")))
+    acme = tmp_path / "acme.jsonl"
+    acme.write_text("".join(f'{{"id": "n{i}", "text": "new doc {i}", "tenant": "acme"}}\n' for i in range(5)))
+    v1 = write(tmp_path / "v1.py", "p", both, ROUTE.format(instructions="Pick one."))
+    v2 = write(tmp_path / "v2.py", "p", acme, ROUTE.format(instructions="Pick one, carefully."))
+    for path in (v1, v2):
+        assert invoke("run", path, url=store_url).exit_code == 0  # type: ignore[attr-defined]
+    before = counts(store_url, TABLES[:4])
+    old = invoke("prune", v1, "--yes", url=store_url)
+    assert old.exit_code == 1 and "its newest answer is not at" in old.output, old.output  # type: ignore[attr-defined]
+    twice = invoke("prune", v2, v1, "--yes", url=store_url)
+    assert twice.exit_code == 1 and "p given twice" in twice.output  # type: ignore[attr-defined]
+    assert counts(store_url, TABLES[:4]) == before
+    # v2 runs now: v1's 10 entries go (the quiet tenant's 5 included: no file makes them any more)
+    done = invoke("prune", v2, "--yes", url=store_url)
+    assert done.exit_code == 0 and "deleted 10 row(s)" in done.output, done.output  # type: ignore[attr-defined]
+    assert counts(store_url, TABLES[:4])["llm_cache"] == before["llm_cache"] - 10
+
+
+def test_a_retired_pipeline_whose_tenants_were_purged_does_not_block_prune(tmp_path: Path, store_url: str) -> None:
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(f'{{"id": "{i}", "text": "doc {i}", "tenant": "gone"}}\n' for i in range(3)))
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("".join(f'{{"id": "{i}", "text": "mine {i}", "tenant": "kept"}}\n' for i in range(3)))
+    retired = write(tmp_path / "retired.py", "old", docs, ROUTE.format(instructions="Old."))
+    live = write(tmp_path / "live.py", "p", mine, ROUTE.format(instructions="Pick one."))
+    for path in (retired, live):
+        assert invoke("run", path, url=store_url).exit_code == 0  # type: ignore[attr-defined]
+    assert invoke("prune", live, "--dry-run", url=store_url).exit_code == 1  # type: ignore[attr-defined]
+    assert invoke("tenant", "purge", "gone", "--yes", url=store_url).exit_code == 0  # type: ignore[attr-defined]
+    left = invoke("prune", live, "--dry-run", url=store_url)  # only its positions are left
+    assert left.exit_code == 0, left.output  # type: ignore[attr-defined]
