@@ -1,9 +1,10 @@
-"""Drift without a deploy: each tenant and stage's most recent window against its first window.
+"""Drift without a deploy: each tenant and stage's most recent window against its first results.
 
-A provider can change a model behind the same name; the outputs tell. Per tenant × stage, the
-latest ``window`` results are compared with the first ``window`` (the baseline): label
-distribution (a G-test, see :func:`label_shift`), output length, empty-field rate; and, over model
-attempts, the validation-failure and refusal rates. Crossing a threshold writes a ``drift_alerts``
+A provider can change a model behind the same name; the outputs tell. Per tenant × stage, at the
+fingerprint of its newest result, the latest ``window`` results are compared with the first
+``max(window, baseline)`` (the baseline): label distribution (a permutation test, see
+:func:`label_shift`), output length, empty-field rate; and, over model attempts since that
+fingerprint's first result, the validation-failure and refusal rates. Crossing a threshold writes a ``drift_alerts``
 row and logs a structlog warning.
 
 An alert means score > threshold for every metric. For ``label_shift`` the score is −log10 of a
@@ -156,7 +157,12 @@ def detect(engine: Engine, pipeline: str, window: int = 200, thresholds: Thresho
                 select(r.fingerprint).where(*where).order_by(*newest).limit(1)).scalar_one())
             total = conn.execute(select(func.count()).select_from(stage_results).where(*where)).scalar_one()
             if total < 2 * window:
+                if total < conn.execute(select(func.count()).select_from(stage_results).where(*where[:3])).scalar_one():
+                    # a new fingerprint is a new reference: unchecked until it has two windows
+                    log.warning("drift_skipped_new_fingerprint", pipeline=pipeline, tenant=tenant, stage=stage,
+                                results=total, needed=2 * window)
                 continue
+            since = conn.execute(select(func.min(r.created_at)).where(*where)).scalar_one()
             last_ids = select(r.id).where(*where).order_by(*newest).limit(window).scalar_subquery()
             last = [_output(o) for (o,) in conn.execute(select(r.output).where(r.id.in_(last_ids)))]
             first = [_output(o) for (o,) in conn.execute(select(r.output).where(*where, r.id.not_in(last_ids)).order_by(
@@ -177,7 +183,9 @@ def detect(engine: Engine, pipeline: str, window: int = 200, thresholds: Thresho
             found.append(("output_length", b["length"], m["length"], change, thresholds.output_length_change))
             found.append(("empty_field_rate", b["empty"], m["empty"], abs(m["empty"] - b["empty"]),
                           thresholds.empty_field_rate))
-            call_where = (llm_calls.c.pipeline == pipeline, llm_calls.c.tenant == tenant, llm_calls.c.stage == stage)
+            # the same fingerprint's attempts: those made since its first result (calls have no fingerprint)
+            call_where = (llm_calls.c.pipeline == pipeline, llm_calls.c.tenant == tenant, llm_calls.c.stage == stage,
+                          llm_calls.c.created_at >= since)
             c_first = conn.execute(select(llm_calls.c.outcome, llm_calls.c.error).where(*call_where)
                                    .order_by(llm_calls.c.id).limit(window)).all()
             c_last = conn.execute(select(llm_calls.c.outcome, llm_calls.c.error).where(*call_where)

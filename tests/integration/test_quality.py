@@ -164,3 +164,21 @@ async def test_a_deliberate_model_change_is_a_new_reference_not_drift(store_url:
     moved = FakeLLM(answer=lambda request: {"label": "other"}, model_id="provider-model-v1")
     await run_pipeline(Pipeline("support", ListSource(docs(800)), stage, store=store_url), llm=moved)
     assert "label_shift" in [a.metric for a in detect(make_engine(store_url), "support", window=100)]
+
+
+async def test_the_failure_rates_compare_attempts_of_the_newest_fingerprint_only(store_url: str) -> None:
+    """A model that needed repairs, replaced by one that does not: no validation-failure alert."""
+    docs = [{"id": f"d{i}", "tenant": "t", "text": f"[t] ticket #{i}"} for i in range(400)]
+    stage = [Classify(LABELS, "Route.", name="route")]
+
+    def sloppy(request):  # type: ignore[no-untyped-def]
+        n = int(request.messages[-1]["content"].split("#")[1])
+        repair = any(m["role"] == "assistant" for m in request.messages)
+        return '{"label": "nope"}' if n % 2 and not repair else {"label": LABELS[n % 4]}
+
+    await run_pipeline(Pipeline("support", ListSource(docs), stage, store=store_url),
+                       llm=FakeLLM(answer=sloppy, model_id="v1"))
+    newer = [{**d, "id": f"n{i}", "text": f"[t] new ticket #{i}"} for i, d in enumerate(docs)]
+    await run_pipeline(Pipeline("support", ListSource(newer), stage, store=store_url),
+                       llm=FakeLLM(answer=lambda request: {"label": "billing"}, model_id="v2"))
+    assert [a.metric for a in detect(make_engine(store_url), "support", window=100)] == []
