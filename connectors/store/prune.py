@@ -53,6 +53,11 @@ def _configuration(by_tenant: Mapping[str, Mapping[str, str]], tenant: str) -> s
     return tenant if tenant in by_tenant else ""
 
 
+def _stage_names(live: Live) -> dict[str, set[str]]:
+    """Each pipeline's stage names, over every tenant configuration."""
+    return {pipeline: {name for stages in by_tenant.values() for name in stages} for pipeline, by_tenant in live.items()}
+
+
 def check(conn: Connection, live: Live, drop_stages: Set[str] = frozenset()) -> None:
     """Raises Refused unless the given pipelines are all the store holds, and each is what runs.
 
@@ -82,10 +87,11 @@ def check(conn: Connection, live: Live, drop_stages: Set[str] = frozenset()) -> 
     for pipeline, tenant, stage, fingerprint in conn.execute(
             select(r.pipeline, r.tenant, r.stage, r.fingerprint).where(r.pipeline.in_(sorted(live))).distinct()):
         results.setdefault((pipeline, _configuration(live[pipeline], tenant), stage), set()).add(fingerprint)
+    names = _stage_names(live)
     unproven, dropped = [], set()
     for pipeline, configuration, stage in sorted(results.keys() | called.keys()):
         by_tenant = live[pipeline]
-        if stage not in {name for stages in by_tenant.values() for name in stages}:
+        if stage not in names[pipeline]:
             if stage not in drop_stages and f"{pipeline}/{stage}" not in drop_stages:
                 dropped.add(f"{pipeline}/{stage}")
             continue
@@ -111,7 +117,7 @@ def prune(engine: Engine, live: Live, retention_days: float, *, dry_run: bool, d
     fingerprints = {fp for by_tenant in live.values() for stages in by_tenant.values() for fp in stages.values()}
     if not fingerprints:
         raise ValueError("no live stage fingerprints: every cache entry would look dead")
-    stages = {pipeline: {name for by in by_tenant.values() for name in by} for pipeline, by_tenant in live.items()}
+    stages = _stage_names(live)
     cutoff = (now or datetime.now(timezone.utc)) - timedelta(days=retention_days)
     r = stage_results.c
     counts: dict[str, int] = {}

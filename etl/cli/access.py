@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Annotated
 
 import typer
 from sqlalchemy import Engine, delete, select, text
 from sqlalchemy.engine import make_url
 
-from etl.cli.support import DbOption, fail, out, safe_url, store_engine, table_of
+from etl.cli.support import DbOption, existing_engine, fail, go_ahead, out, safe_url, store_engine, table_of
 from etl.settings import Settings
 
 analyst_app = typer.Typer(no_args_is_help=True, help="Analysts' read access per tenant (PostgreSQL).")
@@ -114,15 +112,11 @@ def tenant_purge(tenant: TenantArg,
     """Delete every row of TENANT in one transaction: documents, results, typed rows, cache, calls,
     dead letters with their payloads, review items, golden examples, evals, alerts, grants. Stop
     the tenant's pipelines first: what they write after the purge stays."""
-    from connectors.store import make_engine  # noqa: PLC0415
     from connectors.store.purge import purge_tenant, untenanted_letters  # noqa: PLC0415
     from etl.runtime.wiring import database_url  # noqa: PLC0415
 
     url = db or database_url(None, Settings())
-    location = make_url(url)
-    if location.get_backend_name() == "sqlite" and not Path(location.database or "").is_file():
-        fail(f"no store at {safe_url(url)}: nothing to purge (check --db or ETL_DATABASE_URL)")
-    engine = make_engine(url)  # not migrated: counting and deleting change no schema
+    engine = existing_engine(url, "purge")  # not migrated: counting and deleting change no schema
     try:
         counts = purge_tenant(engine, tenant, dry_run=True)
         untenanted = untenanted_letters(engine)
@@ -135,13 +129,8 @@ def tenant_purge(tenant: TenantArg,
     if untenanted:
         out.print(f"{untenanted} dead letter(s) have no tenant (unreadable input) and are not counted: "
                   "see `etl dlq list --reason bad_input`")
-    if dry_run or not total:
-        out.print("dry run: nothing deleted" if dry_run else "nothing to delete")
+    if not go_ahead(total, dry_run=dry_run, yes=yes, question=f"delete these {total} row(s) of {tenant!r}?"):
         return
-    if not yes:
-        if not sys.stdin.isatty():
-            fail("not a terminal to confirm on: pass --yes to delete, or --dry-run to count")
-        typer.confirm(f"delete these {total} row(s) of {tenant!r}? This cannot be undone", abort=True)
     try:
         deleted = purge_tenant(engine, tenant, dry_run=False)
     except Exception as exc:  # noqa: BLE001 - one line for the user

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Annotated
 
 import typer
-from sqlalchemy.engine import make_url
 
-from etl.cli.support import DbOption, fail, out, safe_url, table_of
+from etl.cli.support import DbOption, existing_engine, fail, go_ahead, out, safe_url, table_of
 from etl.errors import EtlError
 from etl.settings import Settings
 
@@ -30,7 +27,6 @@ def prune(pipelines: Annotated[list[str], typer.Argument(help=(
     what runs (another pipeline's rows, a stage whose newest answer is at another fingerprint).
     Results of a live stage at an older fingerprint stay (the document's answer until it is
     processed again). The store is not migrated."""
-    from connectors.store import make_engine  # noqa: PLC0415
     from connectors.store.prune import Refused  # noqa: PLC0415
     from connectors.store.prune import prune as run_prune  # noqa: PLC0415
     from etl.pipeline import load_pipeline  # noqa: PLC0415
@@ -53,10 +49,7 @@ def prune(pipelines: Annotated[list[str], typer.Argument(help=(
                      plans_by_tenant(p, p.llm or default_llm(settings), settings.repairs).items()} for p in loaded}
     drop = frozenset(drop_stage or ())
     url = db or database_url(loaded[0], settings)
-    location = make_url(url)
-    if location.get_backend_name() == "sqlite" and not Path(location.database or "").is_file():
-        fail(f"no store at {safe_url(url)}: nothing to prune (check --db or ETL_DATABASE_URL)")
-    engine = make_engine(url)  # not migrated: counting and deleting change no schema
+    engine = existing_engine(url, "prune")  # not migrated: counting and deleting change no schema
 
     def attempt(dry: bool) -> dict[str, int]:
         try:
@@ -74,13 +67,8 @@ def prune(pipelines: Annotated[list[str], typer.Argument(help=(
                        [{"table": t, "rows": n} for t, n in counts.items()]))
     if kept:
         out.print(f"{kept} result(s) of live stages at an older fingerprint are kept: `etl replay` recomputes them")
-    if dry_run or not total:
-        out.print("dry run: nothing deleted" if dry_run else "nothing to delete")
+    if not go_ahead(total, dry_run=dry_run, yes=yes, question=f"delete these {total} row(s)?"):
         return
-    if not yes:
-        if not sys.stdin.isatty():
-            fail("not a terminal to confirm on: pass --yes to delete, or --dry-run to count")
-        typer.confirm(f"delete these {total} row(s)? This cannot be undone", abort=True)
     deleted = attempt(False)  # checked again in the deleting transaction
     deleted.pop("kept_stale_results", None)
     out.print(f"deleted {sum(deleted.values())} row(s)")

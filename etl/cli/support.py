@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
@@ -54,3 +55,27 @@ def store_engine(db: str | None, pipeline: Any = None) -> tuple[Engine, str]:
     except Exception as exc:  # noqa: BLE001 - one line for the user
         fail(f"cannot open {safe_url(url)}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
     return engine, url
+
+
+def existing_engine(url: str, doing: str) -> Engine:
+    """The store at ``url`` as it is: never migrated or created (a mistyped SQLite path is refused,
+    not made into an empty database). For commands that only count and delete rows."""
+    from connectors.store import make_engine  # noqa: PLC0415
+
+    location = make_url(url)
+    if location.get_backend_name() == "sqlite" and not Path(location.database or "").is_file():
+        fail(f"no store at {safe_url(url)}: nothing to {doing} (check --db or ETL_DATABASE_URL)")
+    return make_engine(url)
+
+
+def go_ahead(total: int, *, dry_run: bool, yes: bool, question: str) -> bool:
+    """After a deletion's counts were shown: whether to delete now (asked on a terminal unless
+    ``yes``; refused without one)."""
+    if dry_run or not total:
+        out.print("dry run: nothing deleted" if dry_run else "nothing to delete")
+        return False
+    if not yes:
+        if not sys.stdin.isatty():
+            fail("not a terminal to confirm on: pass --yes to delete, or --dry-run to count")
+        typer.confirm(f"{question} This cannot be undone", abort=True)
+    return True

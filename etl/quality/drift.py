@@ -151,13 +151,13 @@ def detect(engine: Engine, pipeline: str, window: int = 200, thresholds: Thresho
             stage_results.c.pipeline == pipeline).distinct()).all()
         for tenant, stage in groups:
             r = stage_results.c
-            where = [r.pipeline == pipeline, r.tenant == tenant, r.stage == stage]
+            of_stage = (r.pipeline == pipeline, r.tenant == tenant, r.stage == stage)
             newest = (r.updated_at.desc(), r.id.desc())
-            where.append(r.fingerprint == conn.execute(
-                select(r.fingerprint).where(*where).order_by(*newest).limit(1)).scalar_one())
+            where = (*of_stage, r.fingerprint == conn.execute(
+                select(r.fingerprint).where(*of_stage).order_by(*newest).limit(1)).scalar_one())
             total = conn.execute(select(func.count()).select_from(stage_results).where(*where)).scalar_one()
             if total < 2 * window:
-                if total < conn.execute(select(func.count()).select_from(stage_results).where(*where[:3])).scalar_one():
+                if total < conn.execute(select(func.count()).select_from(stage_results).where(*of_stage)).scalar_one():
                     # a new fingerprint is a new reference: unchecked until it has two windows
                     log.warning("drift_skipped_new_fingerprint", pipeline=pipeline, tenant=tenant, stage=stage,
                                 results=total, needed=2 * window)
