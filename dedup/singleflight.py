@@ -48,5 +48,10 @@ class SingleFlight(Generic[T]):
             if flight is not None and flight.done():
                 del self._flights[key]
 
+    def __contains__(self, key: str) -> bool:
+        """Whether a call for ``key`` now would share another's computation (running, or finished
+        and not forgotten) rather than run its own."""
+        return key in self._flights
+
     def __len__(self) -> int:
         return len(self._flights)

@@ -70,6 +70,9 @@ class LLMError(EtlError):
     """A model call failed."""
 
     reason = "provider_error"
+    #: Earlier sends of this request the provider received and never answered (a batch's errored
+    #: or expired lines, sent again by the backend itself): attempts too, recorded at no cost.
+    unanswered: int = 0
 
 
 class TransientLLMError(LLMError):

@@ -359,7 +359,7 @@ class BatchWriter:
                 continue  # bad input at another position with the same offset
             winner = winners.get((tenant, key)) if key is not None else at_winner.get(at)
             if winner is not None and at == version(winner):
-                if winner.dead_letter is None:
+                if winner.dead_letter is None and not winner.letter_stands:
                     settle["replayed"].append(letter_id)
             elif at in losers or (winner is not None and at < version(winner)):
                 settle["superseded"].append(letter_id)

@@ -40,6 +40,9 @@ class LLMResponse:
     confidence: float | None = None
     latency_ms: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Earlier sends of this request the provider received and never answered (a batch's errored
+    #: or expired lines, sent again by the backend itself): attempts too, recorded at no cost.
+    unanswered: int = 0
 
 
 class LLM(ABC):

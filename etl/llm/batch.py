@@ -22,6 +22,7 @@ is costed at the batch price (``discount`` × the synchronous one by default).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from datetime import datetime, timezone
@@ -80,6 +81,7 @@ class BatchLLM(LLM):
         self.max_lines = min(max_lines, self.wire.max_lines)
         self._bodies: dict[str, dict[str, Any]] = {}  # custom_id -> request body, while awaited
         self._sent: dict[str, int] = {}  # custom_id -> batches it went out in (this process)
+        self._unanswered: dict[str, int] = {}  # custom_id -> sends that came back unanswered
         self._results: dict[str, dict[str, Line]] = {}  # our batch id -> its result lines by custom_id
         self._waiting: dict[str, list[asyncio.Future[LLMResponse]]] = {}
         self._queued: dict[str, dict[str, Any]] = {}  # custom_id -> request body, in no batch yet
@@ -137,10 +139,12 @@ class BatchLLM(LLM):
         return bool(self._waiting)
 
     def _fail_all(self, exc: Exception) -> None:
-        for futures in self._waiting.values():
+        for custom_id, futures in self._waiting.items():
+            error = TransientLLMError(str(exc))
+            error.unanswered = self._unanswered.pop(custom_id, 0)
             for future in futures:
                 if not future.done():
-                    future.set_exception(exc)
+                    future.set_exception(error)
         self._waiting.clear()
         self._queued.clear()
         self._bodies.clear()
@@ -286,8 +290,9 @@ class BatchLLM(LLM):
                 continue
             if not final or self._sent.get(custom_id, 0) < self.sends and custom_id in self._bodies:
                 unanswered.add(custom_id)
-                if final:  # into a later batch, however long this one took
+                if final:  # into a later batch, however long this one took; that send was an attempt
                     self._queued[custom_id] = self._bodies[custom_id]
+                    self._unanswered[custom_id] = self._unanswered.get(custom_id, 0) + 1
                 continue
             if batch.status in ("expired", "cancelled") or line.ended:
                 self._answer(custom_id, error=BatchExpired(f"batch {batch.id} ended ({batch.status}) before answering"))
@@ -304,9 +309,14 @@ class BatchLLM(LLM):
                 log.warning("batch_lines_repeated_or_unreadable", batch=batch.id, lines=odd)
         return self._results[batch.id]
 
-    def _answer(self, custom_id: str, answer: LLMResponse | None = None, error: Exception | None = None) -> None:
+    def _answer(self, custom_id: str, answer: LLMResponse | None = None, error: LLMError | None = None) -> None:
         self._bodies.pop(custom_id, None)
         self._queued.pop(custom_id, None)
+        if unanswered := self._unanswered.pop(custom_id, 0):  # recorded by the caller as attempts
+            if error is not None:
+                error.unanswered = unanswered
+            else:
+                answer = dataclasses.replace(answer, unanswered=unanswered)  # type: ignore[arg-type]
         for future in self._waiting.pop(custom_id, []):
             if future.done():
                 continue

@@ -244,16 +244,24 @@ class ModelCalls:
                     try:
                         response = await llm.generate(request)
                     except LLMError as exc:
+                        calls += _unanswered(document, stage, key, llm.model_id, exc.unanswered)
                         calls.append(record(document, stage, key, llm.model_id,
                                                   "retry" if exc.retryable else "failed", 0, 0, 0.0,
                                                   (time.perf_counter() - t0) * 1000, error=exc.reason))
                         raise
+                    calls += _unanswered(document, stage, key, llm.model_id, response.unanswered)
                     return _within_columns(response, (time.perf_counter() - t0) * 1000)
         except LLMError:
             if calls and calls[-1].outcome == "retry":  # retries ran out: that attempt ended the stage
                 calls[-1] = calls[-1].model_copy(update={"outcome": "failed"})
             raise
         raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _unanswered(document: Document, stage: str, key: str, model: str, sends: int) -> list[CallRecord]:
+    """The sends a backend made again itself (a batch line errored or expired): each reached the
+    provider, so each is an attempt, answered by nothing and billed nothing."""
+    return [record(document, stage, key, model, "retry", 0, 0, 0.0, 0.0, error="unanswered") for _ in range(sends)]
 
 
 def _within_columns(response: LLMResponse, latency_ms: float) -> LLMResponse:

@@ -183,8 +183,12 @@ class Executor:
                     return self._dead(document, payload, stage.name, key, reason,
                                       f"the same content already failed ({reason}) at an older position; "
                                       "`etl dlq replay` retries it", None, work, settles)
-                # Already ended as a dead letter for this content and fingerprint: a no-op too.
-                return DocumentOutcome(document=None)
+                # Already ended as a dead letter for this content and fingerprint: nothing more to
+                # ask. What this run paid for before it (a changed earlier stage) is stored, and the
+                # letter stays open.
+                if not work.results and not self._stale(ref, plans, lookup, stored_stages):
+                    return DocumentOutcome(document=None)
+                return self._outcome(document, payload, work, settles, letter_stands=True)
             entry = lookup.cache.get(key) or (lookup.held.get(key) if key in lookup.restated else None)
             # A cached answer the stage's checks now refuse is asked again (without claims: a cached
             # key cannot be claimed); re-validating never stops a run.
@@ -193,6 +197,7 @@ class Executor:
             entry = None if fresh else entry
             shared = entry is not None
             computed: Computed | None = None
+            leads = False  # whether this document made the model calls of its stage's flight
             shadow: tuple[Live, tuple[BaseModel, str]] | None = None
             # the tenant's own stage says whether it is routed (a router is not in the fingerprint)
             if entry is None and self.students is not None and (router := getattr(stage, "router", None)) and (
@@ -208,14 +213,18 @@ class Executor:
             if entry is None:
                 compute = functools.partial(self.calls.compute if fresh else self.calls.claim_or_wait, plan, document,
                                             key)
+                # Only the flight's leader counts and records its attempts: a follower in this
+                # worker shares the leader's answer or failure, not its spend.
+                leads = key not in self.flights
                 try:
                     computed, shared = await self.flights.do(key, compute)
                 except StageFailed as failed:
-                    tally.llm_calls += len(failed.calls)
                     log.warning("stage_failed", reason=failed.reason, tenant=document.tenant, stage=stage.name,
                                 doc_key=document.key, stream=document.position.stream,
                                 partition=document.position.partition, offset=document.position.offset)
-                    work.calls.extend(failed.calls)
+                    if leads:
+                        tally.llm_calls += len(failed.calls)
+                        work.calls.extend(failed.calls)
                     if shadow is not None:  # only a shadow check failed: the student's answer stands, unchecked
                         self._student_result(shadow[0], plan, key, shadow[1][0], work, tally)
                         outputs[stage.name] = shadow[1][0]
@@ -232,7 +241,7 @@ class Executor:
                 tally.stored_hits += 1  # what this document held already, at an older position
                 attempts, latency = 0, 0.0
             elif shared:
-                if computed is not None and computed.calls:  # attempts paid before a lost lease
+                if computed is not None and computed.calls and leads:  # attempts paid before a lost lease
                     tally.llm_calls += len(computed.calls)
                     work.calls.extend(computed.calls)
                 tally.cache_hits += 1
@@ -267,14 +276,26 @@ class Executor:
             if isinstance(stage, Extract):
                 work.typed.append((stage.table, {**output.model_dump(), "cache_key": key}))
             self._sample_review(document, stage.name, entry.output, work)
-        # Stored results of stages that no longer apply (a when= that now says no) go too.
-        stale = sum((*ref, plan.stage.name) in lookup.results for plan in plans) > stored_stages
-        if not work.results and not settles and not stale:
+        if not work.results and not settles and not self._stale(ref, plans, lookup, stored_stages):
             return DocumentOutcome(document=None)
+        return self._outcome(document, payload, work, settles)
+
+    @staticmethod
+    def _stale(ref: tuple[str, str], plans: Sequence[StagePlan], lookup: Lookup, kept: int) -> bool:
+        """Whether the document has stored results of stages this version no longer has (a when=
+        that now says no): then the outcome is written, and they go."""
+        return sum((*ref, plan.stage.name) in lookup.results for plan in plans) > kept
+
+    @staticmethod
+    def _outcome(document: Document, payload: bytes, work: _Work, settles: bool, dead_letter: DeadLetter | None = None,
+                 letter_stands: bool = False) -> DocumentOutcome:
+        """What the document's version has: every result so far (paid work is kept), and the dead
+        letter it ends as, if any."""
         return DocumentOutcome(document=document, results=tuple(work.results), stages=tuple(work.stages),
                                typed_rows=tuple(work.typed), calls=tuple(work.calls), cache=tuple(work.cache),
-                               settles_dead_letters=settles, reviews=tuple(work.reviews), payload=payload,
-                               texts=tuple(work.texts), checks=tuple(work.checks))
+                               dead_letter=dead_letter, letter_stands=letter_stands, settles_dead_letters=settles,
+                               reviews=tuple(work.reviews), payload=payload, texts=tuple(work.texts),
+                               checks=tuple(work.checks))
 
     def _sample_review(self, document: Document, stage: str, output: dict[str, Any], work: _Work) -> None:
         if self.review is not None and (why := self.review.reason(
@@ -293,17 +314,14 @@ class Executor:
             schema_hash=plan.schema_hash, cache_hit=False, attempts=0, tokens_in=0, tokens_out=0, cost=0.0,
             latency_ms=0.0, answered_by=live.answered_by)))
 
-    @staticmethod
-    def _dead(document: Document, payload: bytes, stage: str | None, key: str | None, reason: str, detail: str,
+    @classmethod
+    def _dead(cls, document: Document, payload: bytes, stage: str | None, key: str | None, reason: str, detail: str,
               raw: str | None, work: _Work, settles: bool) -> DocumentOutcome:
         """The document's dead letter, with the stages before the failing one (paid work is kept)."""
         letter = DeadLetter(position=document.position, reason=reason, detail=storable_text(detail), payload=payload,
                             tenant=document.tenant, doc_key=document.key, stage=stage, cache_key=key,
                             raw_output=None if raw is None else storable_text(raw))
-        return DocumentOutcome(document=document, results=tuple(work.results), stages=tuple(work.stages),
-                               typed_rows=tuple(work.typed), calls=tuple(work.calls), cache=tuple(work.cache),
-                               dead_letter=letter, settles_dead_letters=settles, payload=payload,
-                               texts=tuple(work.texts), checks=tuple(work.checks))
+        return cls._outcome(document, payload, work, settles, letter)
 
 
 def _revalidated(stage: Stage, output: dict[str, Any]) -> BaseModel | None:

@@ -450,7 +450,8 @@ class Runner:
             if way is Route.RESTATE:
                 assert live is not None  # noqa: S101
                 self._live[ref] = (live[0], self._start(
-                    self._after(live[1], (decoder.document(doc, message), message.value, doc_keys)),
+                    self._after(live[1], (decoder.document(doc, message), message.value, doc_keys,
+                                          lookup.for_newer_version(ref, ()))),
                     _Pending(message.position, epoch, ref, doc_keys, restated=frozenset(doc_keys))), at)
                 continue
             if way is Route.STORED and (hits := executor.try_stored(doc, lookup, doc_keys)) is not None:
@@ -503,21 +504,22 @@ class Runner:
         return await self.executor.run(document, payload, lookup, keys)
 
     async def _after(self, task: asyncio.Task[tuple[DocumentOutcome, Tally]],
-                     newer: tuple[Document, bytes, list[str]] | None) -> tuple[DocumentOutcome, Tally]:
+                     newer: tuple[Document, bytes, list[str], Lookup] | None) -> tuple[DocumentOutcome, Tally]:
         """Waits for ``task``, this document's content in flight. Nothing to write, unless this is a
         ``newer`` copy: then that outcome again at this position, without its paid work (calls and
         cache entries are recorded once, by the first)."""
         await asyncio.wait([task])
         if newer is None or task.cancelled() or task.exception() is not None:
             return DocumentOutcome(document=None), Tally()
-        document, payload, keys = newer
+        document, payload, keys, older = newer
         outcome = task.result()[0]
-        if outcome.document is None or (outcome.dead_letter is None and len(outcome.results) < len(outcome.stages)):
-            # Nothing written, or valid results kept from the store that this task cannot restate
-            # (their rows may be another version's by the time this commits): taken again from the
-            # flight or the cache (they are valid answers: no call).
-            restated = Lookup(results={}, dead={(document.tenant, document.key): set()}, cache={},
-                              restated=frozenset(keys))
+        if outcome.document is None or outcome.letter_stands or (
+                outcome.dead_letter is None and len(outcome.results) < len(outcome.stages)):
+            # Nothing written, a letter left standing at the older position, or valid results kept
+            # from the store that this task cannot restate (their rows may be another version's by
+            # the time this commits): taken again from the flight or the cache (they are valid
+            # answers: no call); what failed at the older position fails here too, without a call.
+            restated = dataclasses.replace(older, cache={}, restated=frozenset(keys) | older.restated)
             return await self.executor.run(document, payload, restated, keys)
         letter = outcome.dead_letter
         return dataclasses.replace(
