@@ -104,10 +104,18 @@ class Amount(BaseModel):
     count: int
 
 
-STAGES = [
-    Classify(list(LABELS), "Pick.", name="kind"),
-    Extract(Amount, "Extract.", when=label_in("kind", "a")),
-]
+EXTRACT = Extract(Amount, "Extract.", when=label_in("kind", "a"))
+
+
+def stages(prompt: int) -> list[Any]:
+    """The pipeline's stages with the classify instructions at edit ``prompt`` (0: never edited)."""
+    return [Classify(list(LABELS), "Pick." + (f" (edit {prompt})" if prompt else ""), name="kind"), EXTRACT]
+
+
+def answered(stage: str, prompt: int) -> str:
+    """What a valid answer is kept under in the reference model: a classify answer belongs to its
+    instructions (an edit is a new fingerprint), an extract answer does not."""
+    return f"kind@{prompt}" if stage == "kind" else stage
 
 # -- contents: what the fake model answers is written into the document text -----------------------
 
@@ -341,14 +349,15 @@ class Expected:
     reasons: set[str] = field(default_factory=set)
 
 
-def expect(version_list: list[tuple[Pos, Version]], cached: set[tuple[str, str, str]]) -> Expected:
+def expect(version_list: list[tuple[Pos, Version]], cached: set[tuple[str, str, str]], prompt: int) -> Expected:
     """The newest version decides; a stage's answer is valid when its content answers validly or a
-    fixed replay already cached a valid answer for it (then every letter of it was replayed)."""
+    fixed replay already cached a valid answer for it at today's instructions (then every letter of
+    it was replayed)."""
     position, newest = max(version_list, key=lambda pv: pv[0])
     content, spec = newest.content, Spec.of(newest.content)
 
     def valid(stage: str) -> bool:
-        return spec.fault(stage) == "ok" or (newest.tenant, content, stage) in cached
+        return spec.fault(stage) == "ok" or (newest.tenant, content, answered(stage, prompt)) in cached
 
     if not valid("kind"):
         return Expected(position, content, {}, "kind", KIND_FAULTS[spec.kind] or set())
@@ -400,8 +409,10 @@ class PipelineMachine(RuleBasedStateMachine):
         #: Calls already classified, per fake; valid-answer calls per (tenant, stage, content).
         self._seen_calls: dict[str, int] = {}
         self.valid_calls: Counter[tuple[str, str, str]] = Counter()
-        #: (tenant, content, stage) answered validly by a fixed replay (so cached from then on).
+        #: (tenant, content, answered(stage)) answered validly by a fixed replay (so cached from then on).
         self.cached: set[tuple[str, str, str]] = set()
+        #: Edits of the classify stage's instructions so far (``change_instructions``).
+        self.prompt = 0
         self.crashes = 0
         #: A crash happened and no full run completed since: what the store holds is uncertain.
         self.crash_pending = False
@@ -426,7 +437,7 @@ class PipelineMachine(RuleBasedStateMachine):
             else:
                 source = TwoPartitionLog([[e.value for e in p] for p in self.log], self.seed + self.runs)
         self.runs += 1
-        pipeline = Pipeline(PIPELINE, source, STAGES, store=self.url, decoder=Decoder(max_bytes=MAX_BYTES),
+        pipeline = Pipeline(PIPELINE, source, stages(self.prompt), store=self.url, decoder=Decoder(max_bytes=MAX_BYTES),
                             tenant_llms={t: self.fakes[t] for t in TENANTS})
         return pipeline, self.fakes["*"]
 
@@ -444,7 +455,7 @@ class PipelineMachine(RuleBasedStateMachine):
             for request in fake.calls[self._seen_calls[tenant]:]:
                 stage, content = stage_of(request), request.messages[1]["content"]
                 if self.oracle.fixed or Spec.of(content).fault(stage) == "ok":
-                    self.valid_calls[(tenant, stage, content)] += 1
+                    self.valid_calls[(tenant, answered(stage, self.prompt), content)] += 1
             self._seen_calls[tenant] = len(fake.calls)
 
     def _append(self, value: bytes, version: Version | None, partition: int) -> None:
@@ -460,7 +471,7 @@ class PipelineMachine(RuleBasedStateMachine):
         return found
 
     def _expected(self) -> dict[Ref, Expected]:
-        return {ref: expect(vs, self.cached) for ref, vs in self._versions().items()}
+        return {ref: expect(vs, self.cached, self.prompt) for ref, vs in self._versions().items()}
 
     def _rows(self, sql: str) -> list[Any]:
         with self.engine.connect() as conn:
@@ -515,6 +526,15 @@ class PipelineMachine(RuleBasedStateMachine):
         refs = sorted(self._versions()) or [(TENANTS[0], KEYS[0])]
         tenant, key = refs[which % len(refs)]
         self._append(poison_bytes(kind, tenant, key), None, partition)
+
+    @precondition(lambda self: self.prompt < 2)
+    @rule()
+    def change_instructions(self) -> None:
+        """The user edits the classify stage's instructions: a new fingerprint, so every document
+        is classified again once (and only once), whatever its later stage did; a document whose
+        extraction failed keeps that letter open and gets the new classification."""
+        self.prompt += 1
+        self.settled = False
 
     # -- runs ------------------------------------------------------------------------------------
 
@@ -585,7 +605,7 @@ class PipelineMachine(RuleBasedStateMachine):
             source.engine.dispose()
         if fixed:
             for (tenant, _), exp in failed.items():
-                self.cached.add((tenant, exp.content, exp.failed or ""))
+                self.cached.add((tenant, exp.content, answered(exp.failed or "", self.prompt)))
                 if Spec.of(exp.content).label == "a":
                     self.cached.add((tenant, exp.content, "amount"))
         self.check_store()
@@ -601,6 +621,7 @@ class PipelineMachine(RuleBasedStateMachine):
         self.check_results(expected)
         self.check_letters(expected)
         self.check_calls()
+        self.check_claims()
 
     def check_no_duplicates(self) -> None:
         """Invariant 4, also after a crash: one row per key in every keyed table, one paid call per
@@ -694,6 +715,13 @@ class PipelineMachine(RuleBasedStateMachine):
         once per crash at most (a crash may lose an answer before its commit)."""
         over = {k: n for k, n in self.valid_calls.items() if n > 1 + self.crashes}
         assert not over, f"valid answers paid more than {1 + self.crashes} times: {over}"
+
+    def check_claims(self) -> None:
+        """Single-flight leaves nothing to wait out: after a completed run of a history without
+        crashes, no claim is held (a key's claim goes with its answer, or carries its failure)."""
+        if not self.crashes:
+            held = self._rows("SELECT cache_key FROM llm_claims WHERE failure IS NULL")
+            assert not held, f"claims left behind by a completed run: {held}"
 
     def check_positions(self) -> None:
         """After a full run the stored next offset is the log's length, per partition."""
@@ -822,3 +850,16 @@ def test_pinned_older_letter_superseded_by_a_failing_newer_version() -> None:
             lambda s: s.append_versions(versions=[("t1", "1", doc_text(0, "a", "truncated", "ok", ""), 0),
                                                   ("t1", "1", doc_text(1, "a", "ok", "truncated", ""), 0)]),
             lambda s: s.full_run(flush_size=1, in_flight=16))
+
+
+def test_pinned_edited_instructions_over_a_failed_extraction() -> None:
+    """Invariants 1, 3 and 8 (issue 26): the classification is edited while the document's
+    extraction is an open dead letter. The new classification was paid, thrown away (not stored,
+    no call recorded) and its claim left held, so every re-run paid it again after waiting 30 s."""
+    _replay(PipelineMachine(),
+            lambda s: s.init(partitions=1, seed=0),
+            lambda s: s.append_version(key="1", partition=0, tenant="t1", text=doc_text(0, "a", "ok", "refusal", "")),
+            lambda s: s.full_run(flush_size=100, in_flight=4),
+            lambda s: s.change_instructions(),
+            lambda s: s.full_run(flush_size=100, in_flight=4),
+            lambda s: s.rerun())
