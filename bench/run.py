@@ -846,7 +846,7 @@ def write(sections: dict[str, dict[str, Any]]) -> Path:
 def batch_figures(n: int = 20_000, n_http: int = 2_000) -> list[Figure]:
     """The batch tier's own overhead: the same backfill (a JSONL file, one Classify stage, the
     PostgreSQL store) synchronously with an instant in-process model (FakeLLM, no latency: idem-etl's
-    own ceiling) and through the Batch API of a server answering as soon as asked (etl.batch_server,
+    own ceiling) and through the Batch API of a server answering as soon as asked (etl.testing.batch_server,
     in a process of its own, as a provider is), timed from start
     to the last commit. Cost per 1,000 documents: synchronously against the same server's chat
     endpoint (on the first ``n_http`` documents: the same mix), and in batch mode."""
@@ -880,7 +880,7 @@ def batch_figures(n: int = 20_000, n_http: int = 2_000) -> list[Figure]:
         docs = tickets(n, seed=90_000 + r)
         sync_s, _ = backfill(docs, FakeLLM(), batch=False)
         # The server in its own process, as a provider is: its work is not ours.
-        server = subprocess.Popen([sys.executable, "-c", "import sys, time; from etl.batch_server import BatchServer; "
+        server = subprocess.Popen([sys.executable, "-c", "import sys, time; from etl.testing import BatchServer; "
                                    "s = BatchServer().__enter__(); print(s.url, flush=True); time.sleep(86400)"],
                                   stdout=subprocess.PIPE, text=True)
         try:
@@ -901,7 +901,7 @@ def batch_figures(n: int = 20_000, n_http: int = 2_000) -> list[Figure]:
     return [
         summary(f"batch tier, {n:,} documents: idem-etl throughput in batch mode ÷ synchronous mode", ratios, "≥ 1.0",
                 met=lambda v: v >= 1.0, note="synchronous: FakeLLM without latency, ETL_MAX_IN_FLIGHT=64; batch: "
-                "etl.batch_server answering at once; both timed from start to the last commit"),
+                "etl.testing.batch_server answering at once; both timed from start to the last commit"),
         summary("  synchronous throughput (instant in-process model)", rates["sync"], "", "msgs/s"),
         summary("  batch-mode throughput (batches answered at once)", rates["batch"], "", "msgs/s"),
         summary("  cost per 1,000 documents, synchronous ($0.15/$0.60 per Mtok)", costs["sync"], "", "USD"),

@@ -24,17 +24,19 @@ from etl.errors import (
     Truncated,
 )
 from etl.llm import LLM, LLMRequest, LLMResponse, LocalLLM, OpenAICompatibleLLM
+from etl.llm.anthropic import AnthropicLLM
 from etl.pipeline import Pipeline, load_pipeline
-from etl.quality.router import Router
 from etl.runtime.decode import Decoder
 from etl.runtime.stats import RunStats
 from etl.runtime.wiring import run_pipeline
 from etl.settings import Settings
-from etl.stages import Classify, Extract, Stage, label_in
+from etl.tenancy import ReviewSampling
+from etl.stages import Classify, Extract, Router, Stage, label_in
 from etl.validators import Check, date_parses, non_negative, not_empty
 from schemas import Classification, Receipt
 
 __all__ = [
+    "AnthropicLLM",
     "BadInput",
     "BudgetExceeded",
     "Check",
@@ -59,6 +61,7 @@ __all__ = [
     "Pipeline",
     "Receipt",
     "Refusal",
+    "ReviewSampling",
     "Router",
     "RunStats",
     "SchemaInvalid",

@@ -19,6 +19,11 @@ from schemas import DeadLetter, Position
 PartitionKey = tuple[str, int]
 
 
+class SourceUnavailable(RuntimeError):
+    """The source cannot be opened or read (a missing file, an unreachable broker): the run stops
+    with this one line (``etl`` translates it to ``SourceError``)."""
+
+
 class PartitionLedger(Protocol):
     """What a partitioned source needs from the runner during rebalances."""
 

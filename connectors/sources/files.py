@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from connectors.sources.base import Message, Source
+from connectors.sources.base import Message, Source, SourceUnavailable
 
 
 class _IteratorSource(Source):
@@ -53,15 +53,13 @@ class JsonlSource(_IteratorSource):
         self.name = str(path)
 
     def open(self, ledger: Any = None) -> None:
-        from etl.errors import SourceError  # noqa: PLC0415 - keeps connectors free of etl at import
-
         if not self.path.is_file():
-            raise SourceError(f"input file {self.path} does not exist or is not a file")
+            raise SourceUnavailable(f"input file {self.path} does not exist or is not a file")
         try:
             with self.path.open("rb") as f:
                 f.read(1)
         except OSError as exc:
-            raise SourceError(f"cannot read input file {self.path}: {exc.strerror}") from exc
+            raise SourceUnavailable(f"cannot read input file {self.path}: {exc.strerror}") from exc
 
     def _messages(self) -> Iterator[Message]:
         with self.path.open("rb") as f:
@@ -83,10 +81,8 @@ class DirectorySource(_IteratorSource):
         self.name = str(path)
 
     def open(self, ledger: Any = None) -> None:
-        from etl.errors import SourceError  # noqa: PLC0415
-
         if not self.path.is_dir():
-            raise SourceError(f"input directory {self.path} does not exist or is not a directory")
+            raise SourceUnavailable(f"input directory {self.path} does not exist or is not a directory")
 
     def _messages(self) -> Iterator[Message]:
         files = sorted(p for p in self.path.glob(self.pattern) if p.is_file())

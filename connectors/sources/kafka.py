@@ -19,13 +19,13 @@ from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer, Topic
 from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
-from connectors.sources.base import Message, PartitionKey, PartitionLedger, Source
+from connectors.sources.base import Message, PartitionKey, PartitionLedger, Source, SourceUnavailable
 from schemas import DeadLetter
 
 log = structlog.get_logger("connectors.kafka")
 
 
-class KafkaUnavailable(RuntimeError):
+class KafkaUnavailable(SourceUnavailable):
     """The broker could not be reached or refused the request (translated to SourceError by etl)."""
 
 

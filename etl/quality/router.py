@@ -38,43 +38,13 @@ from connectors.store.tables import cache_texts, drift_alerts, eval_runs, golden
 from dedup import cache_key, content_hash
 from etl.errors import ConfigError, EtlError
 from etl.log import get_logger
+from etl.stages import Classify, StagePlan
+from etl.stages.routing import Router
 
 if TYPE_CHECKING:  # numpy, scipy and scikit-learn load only where a student is trained or used
     from etl.quality.student import Certificate, Student
 
 log = get_logger("etl.quality.router")
-
-
-@dataclass(frozen=True)
-class Router:
-    """Routing for one Classify stage: ``Classify(..., router=Router())``. Off unless given.
-
-    Args:
-        shadow_rate: Share of the student's documents also asked of the LLM (the shadow checks).
-        window: Shadow checks judged together (the most recent).
-        min_checks: Checks needed before any verdict.
-        alpha: A student is switched off when agreement this low over the last ``min_checks`` or
-            the last ``window`` checks has probability below ``alpha``/2 if it still agreed as certified.
-        refresh_s: How often a running worker looks for students distilled or switched off elsewhere.
-    """
-
-    shadow_rate: float = 0.02
-    window: int = 200
-    min_checks: int = 30
-    alpha: float = 0.001
-    refresh_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.shadow_rate <= 1.0:
-            raise ConfigError(f"Router(shadow_rate={self.shadow_rate}): give a share between 0 and 1")
-        if not 0 < self.min_checks <= self.window:
-            raise ConfigError(f"Router(min_checks={self.min_checks}, window={self.window}): need 0 < min_checks <= window")
-        if not 0.0 < self.alpha < 0.5:
-            raise ConfigError(f"Router(alpha={self.alpha}): give a significance level between 0 and 0.5")
-
-    def shadowed(self, key: str) -> bool:
-        """Whether the document with this cache key is a shadow check (the same after a restart)."""
-        return int(key[:8], 16) < self.shadow_rate * 16**8
 
 
 # -- distillation -------------------------------------------------------------------------------
@@ -102,9 +72,6 @@ def distill(engine: Engine, pipeline: Any, llm: Any, stage_name: str, tenant: st
             target: float | None = None, level: float = 0.95, repairs: int = 1, min_golden: int = 200,
             seed: int = 0) -> list[Distilled]:
     """Trains, certifies and records a student per tenant (or only ``tenant``); see the module."""
-    from etl.runtime.calls import StagePlan  # noqa: PLC0415
-    from etl.stages import Classify  # noqa: PLC0415
-
     stage = next((s for s in pipeline.stages if s.name == stage_name), None)
     if stage is None:
         raise ConfigError(f"pipeline {pipeline.name!r} has no stage {stage_name!r}")

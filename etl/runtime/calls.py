@@ -25,7 +25,6 @@ from tenacity import (
 
 from connectors.store import CacheEntry
 from connectors.store.sql import HELD, MINE
-from dedup import cache_key, canonical_json, sha256_hex, stage_fingerprint
 from etl.errors import (
     BudgetExceeded,
     EtlError,
@@ -37,8 +36,7 @@ from etl.errors import (
     StageError,
 )
 from etl.llm.base import LLM, LLMRequest, LLMResponse
-from etl.runtime.decode import Decoded
-from etl.stages import Stage
+from etl.stages import StagePlan
 from etl.tenancy import TenantBudgets
 from schemas import CallRecord, Document
 
@@ -50,32 +48,6 @@ def _wait_for_provider(state: RetryCallState) -> float:
     error = state.outcome.exception() if state.outcome else None
     retry_after = getattr(error, "retry_after", None)
     return float(retry_after) if retry_after is not None else _backoff(state)
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """A stage with the hashes that identify its outputs, computed once per run."""
-
-    stage: Stage
-    fingerprint: str
-    prompt_hash: str
-    schema_hash: str
-    llm: LLM
-
-    @classmethod
-    def of(cls, stage: Stage, llm: LLM, repairs: int = 1) -> StagePlan:
-        """``repairs``: re-asks after an invalid answer, which decide what ends up valid."""
-        spec = {**stage.spec(), "model": llm.model_id, "params": llm.params, "repairs": repairs}
-        return cls(
-            stage=stage,
-            llm=llm,
-            fingerprint=stage_fingerprint(spec),
-            prompt_hash=sha256_hex(canonical_json([spec["system"], spec["user"]])),
-            schema_hash=sha256_hex(canonical_json(spec["schema"])),
-        )
-
-    def key(self, document: Decoded | Document) -> str:
-        return cache_key(document.tenant, self.fingerprint, document.content_hash)
 
 
 def plans_by_tenant(pipeline: Any, llm: LLM, repairs: int) -> dict[str, list[StagePlan]]:

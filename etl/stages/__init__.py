@@ -3,5 +3,7 @@
 from etl.stages.base import Outputs, Predicate, Stage
 from etl.stages.classify import Classify, LabelIn, label_in
 from etl.stages.extract import Extract
+from etl.stages.plan import StagePlan
+from etl.stages.routing import Router
 
-__all__ = ["Classify", "Extract", "LabelIn", "Outputs", "Predicate", "Stage", "label_in"]
+__all__ = ["Classify", "Extract", "LabelIn", "Outputs", "Predicate", "Router", "Stage", "StagePlan", "label_in"]

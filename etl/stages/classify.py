@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, create_model
 
 from etl.errors import ConfigError
 from etl.llm.base import LLMResponse
 from etl.stages.base import Outputs, Predicate, Stage
+from etl.stages.routing import Router
 from etl.validators import Validator
 from schemas import Classification
 
-if TYPE_CHECKING:
-    from etl.quality.router import Router
 
 
 class Classify(Stage):

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
-from etl.batch_server import BatchServer
+from etl.testing import BatchServer
 
 SCHEMA = {"type": "object", "properties": {"label": {"type": "string", "enum": ["a", "b"]}}, "required": ["label"]}
 

@@ -1,4 +1,4 @@
-"""The batch tier against the OpenAI-wire batch test server (etl.batch_server): the same stored
+"""The batch tier against the OpenAI-wire batch test server (etl.testing.batch_server): the same stored
 results as synchronous calls at the batch price, nothing sent twice across crashes, re-runs free."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from pydantic import BaseModel
 
 from etl import Classify, Extract, Pipeline, label_in, run_pipeline
-from etl.batch_server import BatchServer
+from etl.testing import BatchServer
 from etl.llm.anthropic import AnthropicLLM
 from etl.llm.openai_compat import OpenAICompatibleLLM
 from etl.runtime.wiring import build_runner

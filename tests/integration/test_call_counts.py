@@ -13,8 +13,8 @@ from sqlalchemy import create_engine
 
 from connectors.store.report import status
 from etl import Classify, Extract, Pipeline, run_pipeline
-from etl.batch_server import BatchServer
-from etl.fault_server import FaultServer
+from etl.testing import BatchServer
+from etl.testing import FaultServer
 from etl.llm.openai_compat import OpenAICompatibleLLM
 from etl.metrics import Metrics
 from etl.runtime.stats import RunStats

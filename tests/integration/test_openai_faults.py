@@ -10,7 +10,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from etl import Extract, Pipeline
-from etl.fault_server import FaultServer
+from etl.testing import FaultServer
 from etl.llm.openai_compat import OpenAICompatibleLLM
 from etl.runtime.wiring import build_runner
 from etl.settings import Settings

@@ -1,7 +1,7 @@
 """`etl run --batch` SIGKILLed at chosen moments of the batch wire, on real PostgreSQL.
 
 A 5,000-document backfill (30% duplicate contents, two stages: Classify, then Extract where its
-label applies) against etl.batch_server. The test server kills the worker process exactly where a
+label applies) against etl.testing.batch_server. The test server kills the worker process exactly where a
 crash costs money or data: while a file is uploaded, after the provider made a batch and before the
 worker heard its id, while a batch is polled, while results are downloaded, and just after they
 are (the worker is committing). Some kills come at a random time instead. After each kill the run
@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from etl.batch_server import BatchServer
+from etl.testing import BatchServer
 from tests.helpers import rows
 
 DOCUMENTS = 5_000

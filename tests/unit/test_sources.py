@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from connectors.sources import DirectorySource, JsonlSource, ListSource
-from etl import SourceError
+from connectors.sources.base import SourceUnavailable
 
 
 def drain(source):  # type: ignore[no-untyped-def]
@@ -34,9 +34,9 @@ def test_directory_keys_are_relative_paths(tmp_path: Path) -> None:
 
 
 def test_missing_input_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(SourceError, match="does not exist"):
+    with pytest.raises(SourceUnavailable, match="does not exist"):
         JsonlSource(tmp_path / "nope.jsonl").open(lambda s, p: None)
-    with pytest.raises(SourceError, match="not a directory"):
+    with pytest.raises(SourceUnavailable, match="not a directory"):
         DirectorySource(tmp_path / "nope").open(lambda s, p: None)
 
 

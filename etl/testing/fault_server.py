@@ -26,7 +26,7 @@ from typing import Any
 
 from dedup import sha256_hex
 from etl.llm.base import LLMRequest
-from etl.testing import schema_answer
+from etl.testing.fakes import schema_answer
 
 _DIRECTIVE = re.compile(r"\[fault:([a-z0-9_]+?)(?:x(\d+))?\]")
 

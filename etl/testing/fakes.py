@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from connectors.sources import ListSource
 from dedup import sha256_hex
 from etl.llm.base import LLM, LLMRequest, LLMResponse
 
@@ -142,4 +141,4 @@ def lognormal(median_s: float, sigma: float = 0.5, seed: int = 0) -> Callable[[]
     return lambda: rng.lognormvariate(0, sigma) * median_s
 
 
-__all__ = ["FakeLLM", "ListSource", "lognormal", "schema_answer", "simulated_labeller"]
+__all__ = ["FakeLLM", "lognormal", "schema_answer", "simulated_labeller"]

@@ -2,7 +2,7 @@
 ``/v1/batches``, and Anthropic's Messages (``/v1/messages``) and Message Batches
 (``/v1/messages/batches``). ``url`` is the OpenAI base URL (``.../v1``), ``root`` Anthropic's.
 
-Each line of a batch is answered as :class:`~etl.fault_server.FaultServer` answers a chat request
+Each line of a batch is answered as :class:`~etl.testing.fault_server.FaultServer` answers a chat request
 (its ``[fault:...]`` directives included: ``[fault:500x1]`` makes that line an errored one), and
 results come back the way the provider returns them: in an output file and an error file, keyed by
 ``custom_id``, in no particular order. Whole-batch behaviour is scripted on the server:
@@ -35,7 +35,7 @@ from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
-from etl.fault_server import FaultServer
+from etl.testing.fault_server import FaultServer
 
 
 class BatchServer(FaultServer):
