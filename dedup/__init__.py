@@ -8,6 +8,7 @@ from dedup.hashing import (
     code_digest,
     content_hash,
     normalize_content,
+    parsed_content_hash,
     sha256_hex,
     stage_fingerprint,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "code_digest",
     "content_hash",
     "normalize_content",
+    "parsed_content_hash",
     "sha256_hex",
     "stage_fingerprint",
 ]

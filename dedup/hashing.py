@@ -54,6 +54,12 @@ def content_hash(text: str) -> str:
     return sha256_hex(normalize_content(text))
 
 
+def parsed_content_hash(parser: str, text: str) -> str:
+    """The content hash of a file's text: the normalized text *and* what read it (``"pypdf 7.1.1"``),
+    so a parser upgrade is a new version of the document, never a silent change of its content."""
+    return sha256_hex(canonical_json([parser, normalize_content(text)]))
+
+
 def cache_key(tenant: str, fingerprint: str, content_digest: str) -> str:
     """The key of one LLM result: H(tenant, stage fingerprint, content hash).
 

@@ -5,7 +5,7 @@ from etl import Pipeline, Classify, Extract, label_in
 ```
 """
 
-from connectors.sources import DirectorySource, JsonlSource, ListSource, Source
+from connectors.sources import DirectorySource, FileSource, JsonlSource, ListSource, Source
 from connectors.sources.kafka import KafkaSource
 from etl.errors import (
     BadInput,
@@ -48,6 +48,7 @@ __all__ = [
     "DirectorySource",
     "EtlError",
     "Extract",
+    "FileSource",
     "JsonlSource",
     "KafkaSource",
     "LLM",

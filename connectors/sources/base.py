@@ -55,9 +55,10 @@ class Message:
 
 
 class Source(ABC):
-    """Where messages come from. ``value_format`` tells the decoder how to read ``Message.value``."""
+    """Where messages come from. ``value_format`` tells the decoder how to read ``Message.value``
+    (``json`` objects, ``text``, or the bytes of a ``file``: PDF, HTML, text, Markdown)."""
 
-    value_format: Literal["json", "text"] = "json"
+    value_format: Literal["json", "text", "file"] = "json"
     name: str = "source"
     #: False for sources that re-read old positions (dead-letter replay): never store their positions.
     records_positions: bool = True

@@ -18,7 +18,7 @@ class DeadLetterSource(Source):
     records_positions = False
 
     def __init__(self, engine: Engine, pipeline: str, reason: str | None = None,
-                 value_format: Literal["json", "text"] = "json") -> None:
+                 value_format: Literal["json", "text", "file"] = "json") -> None:
         self.engine = engine
         self.pipeline = pipeline
         self.reason = reason

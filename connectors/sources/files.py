@@ -95,7 +95,7 @@ class ListSource(_IteratorSource):
     """Messages from memory: dicts (sent as JSON), str or bytes. For tests and notebooks."""
 
     def __init__(self, items: Iterable[dict[str, Any] | str | bytes], name: str = "list",
-                 value_format: Literal["json", "text"] = "json") -> None:
+                 value_format: Literal["json", "text", "file"] = "json") -> None:
         super().__init__()
         self.items = list(items)
         self.name = name
@@ -110,6 +110,62 @@ class ListSource(_IteratorSource):
             else:
                 value = item
             yield Message(value=value, stream=self.name, offset=number)
+
+
+class FileSource(_IteratorSource):
+    """Documents as files (PDF, HTML, text, Markdown), read by the decoder's parsers.
+
+    ``path`` is a directory (every file under it matching ``pattern``, in sorted order; the key is
+    the path relative to it) or a JSONL file of paths (``{"path": ..., "id": ..., "tenant": ...}``
+    per line, ``id`` and ``tenant`` optional; relative paths are relative to the JSONL file). A
+    listed file that cannot be read becomes a message without bytes, which the decoder turns into
+    that line's dead letter. Position: (path, 0, file number).
+    """
+
+    value_format = "file"
+    #: What a directory is read for by default.
+    SUFFIXES = (".pdf", ".html", ".htm", ".txt", ".md", ".markdown")
+
+    def __init__(self, path: str | Path, pattern: str | None = None) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.pattern = pattern
+        self.name = str(path)
+
+    def open(self, ledger: Any = None) -> None:
+        if not self.path.exists():
+            raise SourceUnavailable(f"input {self.path} does not exist")
+        if not self.path.is_dir() and not self.path.is_file():
+            raise SourceUnavailable(f"input {self.path} is neither a directory nor a JSONL file of paths")
+
+    def _messages(self) -> Iterator[Message]:
+        if self.path.is_dir():
+            files = sorted(p for p in self.path.glob(self.pattern or "**/*") if p.is_file() and (
+                self.pattern is not None or p.suffix.lower() in self.SUFFIXES))
+            for number, file in enumerate(files):
+                key = file.relative_to(self.path).as_posix()
+                yield Message(value=file.read_bytes(), key=key.encode(), stream=self.name, offset=number)
+            return
+        with self.path.open("rb") as listing:
+            for number, line in enumerate(listing):
+                if not line.strip():
+                    continue
+                yield self._listed(line, number)
+
+    def _listed(self, line: bytes, number: int) -> Message:
+        """One JSONL line's file; anything wrong with the line or the file is an empty message
+        whose dead letter says why (headers carry the reason to the decoder)."""
+        try:
+            entry = json.loads(line)
+            target = Path(entry["path"])
+            file = target if target.is_absolute() else self.path.parent / target
+            headers = tuple((name, str(entry[name]).encode()) for name in ("tenant",) if entry.get(name) is not None)
+            key = str(entry.get("id") or entry["path"])
+            return Message(value=file.read_bytes(), key=key.encode(), stream=self.name, offset=number,
+                           headers=headers)
+        except (ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
+            return Message(value=b"", key=None, stream=self.name, offset=number,
+                           headers=(("unreadable", f"{type(exc).__name__}: {exc}".encode()[:300]),))
 
 
 def source_for_path(path: str | Path) -> Source:

@@ -66,17 +66,20 @@ class KafkaSource(Source):
             of what the topic holds now).
         dlq_topic: Where dead letters go (default ``<topic>.dlq``); None keeps them in the table only.
         consumer_config: Extra kafka-python consumer settings (session_timeout_ms, ...).
+        value_format: ``"json"`` objects (default), ``"text"``, or ``"file"``: each message carries a
+            file's bytes (PDF, HTML, text, Markdown; the message key is the document key, a
+            ``tenant`` header its tenant).
     """
-
-    value_format = "json"
 
     def __init__(self, topic: str, *, group: str | None = None, bootstrap: str | None = None,
                  replay_from: Literal["start"] | datetime | None = None, dlq_topic: str | None | Literal[""] = "",
-                 consumer_config: Mapping[str, Any] | None = None, until_end: bool = False) -> None:
+                 consumer_config: Mapping[str, Any] | None = None, until_end: bool = False,
+                 value_format: Literal["json", "text", "file"] = "json") -> None:
         if group is None and replay_from is None:
             raise ValueError("KafkaSource needs group= (or replay_from= for a one-off replay)")
         self.topic = topic
         self.name = topic
+        self.value_format = value_format
         self.group = group
         self.bootstrap = bootstrap
         self.replay_from = replay_from

@@ -68,6 +68,10 @@ class DocumentOutcome:
     texts: tuple[tuple[str, str], ...] = ()
     #: Shadow checks: (student id, stage, cache key, student's label, the LLM's label).
     checks: tuple[tuple[int, str, str, str, str], ...] = ()
+    #: ``stage_chunks`` rows (``stage`` and the columns) of stages answered in chunks, and
+    #: ``field_spans`` rows of Extract results: written with, and replaced like, the results.
+    chunks: tuple[dict[str, Any], ...] = ()
+    spans: tuple[dict[str, Any], ...] = ()
     #: The message's original bytes: what a ``store_rejected`` dead letter keeps if the store
     #: refuses this outcome.
     payload: bytes = b""

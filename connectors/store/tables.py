@@ -347,6 +347,44 @@ students = Table(
     Index("uq_students_version", "pipeline", "stage", "tenant", "version", unique=True),
 )
 
+#: The chunks a long document's stage was answered in (its merged answer is the stage result):
+#: where each sits in the text and whether the cache answered it. Replaced with the result.
+stage_chunks = Table(
+    "stage_chunks",
+    metadata,
+    Column("pipeline", String(200), nullable=False),
+    Column("tenant", String(200), nullable=False),
+    Column("doc_key", String(500), nullable=False),
+    Column("stage", String(200), nullable=False),
+    Column("ordinal", Integer, nullable=False),
+    Column("cache_key", String(64), nullable=False),
+    Column("char_start", BigInteger, nullable=False),
+    Column("char_end", BigInteger, nullable=False),
+    Column("page_start", Integer, nullable=False),
+    Column("page_end", Integer, nullable=False),
+    Column("cache_hit", Boolean, nullable=False),
+    PrimaryKeyConstraint("pipeline", "tenant", "doc_key", "stage", "ordinal", name="pk_stage_chunks"),
+)
+
+#: Where each extracted value sits in its document (``etl.grounding``): one row per value of an
+#: Extract result, ``match = 'none'`` for a value the text does not hold. Replaced with the result.
+field_spans = Table(
+    "field_spans",
+    metadata,
+    Column("pipeline", String(200), nullable=False),
+    Column("tenant", String(200), nullable=False),
+    Column("doc_key", String(500), nullable=False),
+    Column("stage", String(200), nullable=False),
+    Column("path", String(500), nullable=False),
+    Column("value", Text, nullable=False),
+    Column("char_start", BigInteger),
+    Column("char_end", BigInteger),
+    Column("page", Integer),
+    Column("match", String(20), nullable=False),
+    Column("score", Float, nullable=False),
+    PrimaryKeyConstraint("pipeline", "tenant", "doc_key", "stage", "path", name="pk_field_spans"),
+)
+
 #: Shadow checks: a student-answered document also asked of the LLM, and whether they agreed.
 router_checks = Table(
     "router_checks",
@@ -380,7 +418,7 @@ analyst_grants = Table(
 #: Tables with a tenant column: row-level security for analysts applies to each (PostgreSQL).
 TENANT_TABLES = ("documents", "stage_results", "llm_cache", "llm_calls", "dead_letters", "golden_examples",
                  "eval_runs", "eval_results", "drift_alerts", "review_queue", "cache_texts", "students",
-                 "router_checks")
+                 "router_checks", "stage_chunks", "field_spans")
 
 _SCALARS: dict[Any, Any] = {
     str: Text,

@@ -46,6 +46,8 @@ from connectors.store.tables import (
     cache_texts,
     dead_letters,
     documents,
+    field_spans,
+    stage_chunks,
     llm_cache,
     llm_calls,
     llm_claims,
@@ -317,6 +319,32 @@ class BatchWriter:
                     {"pipeline": pipeline, "tenant": o.document.tenant, "doc_key": o.document.key, **fields})
         for name, rows in typed.items():
             upsert(conn, self.typed[name], rows, TYPED_KEY_COLUMNS, "cache_key")
+        self._replace_details(conn, pipeline, winners, keep)
+
+    @staticmethod
+    def _replace_details(conn: Connection, pipeline: str, winners: list[DocumentOutcome],
+                         keep: dict[DocRef, set[str]]) -> None:
+        """Chunks and spans go with their result: a winner's rows of every stage it rewrote or no
+        longer has are deleted, its new ones written."""
+        redone: set[tuple[str, str, str]] = set()
+        rows: dict[Any, list[dict[str, Any]]] = {stage_chunks: [], field_spans: []}
+        for o in winners:
+            assert o.document is not None  # noqa: S101
+            ref = (o.document.tenant, o.document.key)
+            redone.update((*ref, result.stage) for result in o.results)
+            for table, details in ((stage_chunks, o.chunks), (field_spans, o.spans)):
+                rows[table] += [{"pipeline": pipeline, "tenant": ref[0], "doc_key": ref[1], **row} for row in details]
+        kept = {(tenant, key, stage) for (tenant, key), stages in keep.items() for stage in stages}
+        for table in rows:
+            c = table.c
+            for (member,) in members(conn, sorted({key for _, key in keep}), c.doc_key):
+                for tenant, key, stage in conn.execute(select(c.tenant, c.doc_key, c.stage).distinct().where(
+                        c.pipeline == pipeline, member)).all():
+                    if (tenant, key) in keep and ((tenant, key, stage) in redone or (tenant, key, stage) not in kept):
+                        conn.execute(delete(table).where(c.pipeline == pipeline, c.tenant == tenant, c.doc_key == key,
+                                                         c.stage == stage))
+            keys = [k.name for k in table.primary_key.columns]
+            upsert(conn, table, rows[table], keys, None)
 
     @staticmethod
     def _dead_letters(conn: Connection, pipeline: str, batch: Batch, latest: dict[DocRef, DocumentOutcome],

@@ -56,6 +56,8 @@ class LLM(ABC):
     params: dict[str, Any]
     #: USD per million tokens (input, output); used for cost accounting and cache savings.
     price_per_mtok: tuple[float, float] = (0.0, 0.0)
+    #: Tokens the model reads and writes per call, where known: sizes a chunked stage's chunks.
+    context_tokens: int | None = None
 
     @abstractmethod
     async def generate(self, request: LLMRequest) -> LLMResponse:

@@ -49,7 +49,7 @@ class LocalLLM(LLM):
         self.path = Path(model_path) if model_path else default_model_path()
         if not self.path.is_file():
             raise ConfigError(f"model file {self.path} does not exist; set ETL_MODEL_PATH to a .gguf file")
-        self.n_ctx = n_ctx
+        self.n_ctx = self.context_tokens = n_ctx
         self.threads = threads or os.cpu_count() or 1
         # The file's name and size identify the weights cheaply; greedy decoding makes them the output.
         self.model_id = f"{self.path.stem}@{self.path.stat().st_size}"

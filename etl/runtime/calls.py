@@ -68,6 +68,10 @@ class Computed:
     attempts: int
     latency_ms: float
     from_peer: bool = False
+    #: A long document's answer (``etl.runtime.chunks``): its chunks' fresh cache entries, and its
+    #: ``stage_chunks`` rows.
+    chunk_entries: tuple[CacheEntry, ...] = ()
+    chunks: tuple[dict[str, Any], ...] = ()
 
 
 class Peers(Protocol):
@@ -94,10 +98,12 @@ class Peers(Protocol):
 class StageFailed(EtlError):
     """A stage ended without a valid output; carries the attempts made, for cost accounting."""
 
-    def __init__(self, error: EtlError, calls: list[CallRecord]) -> None:
+    def __init__(self, error: EtlError, calls: list[CallRecord], cache: tuple[CacheEntry, ...] = ()) -> None:
         super().__init__(str(error))
         self.error = error
         self.calls = calls
+        #: Valid answers paid on the way (the other chunks of a long document): kept, cached.
+        self.cache = cache
         self.reason = error.reason
 
 

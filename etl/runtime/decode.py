@@ -10,8 +10,9 @@ from typing import Any, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field
 
 from connectors.sources import Message
-from dedup import normalize_content, sha256_hex
+from dedup import normalize_content, parsed_content_hash, sha256_hex
 from etl.errors import BadInput
+from etl.formats import UnreadableFile, parse
 from etl.storable import text_problem
 from schemas import Document
 
@@ -49,6 +50,13 @@ class Decoder(BaseModel):
     content themselves. Without a tenant the message goes to ``default_tenant``; set that to None to
     dead-letter such messages instead.
 
+    File messages (``value_format="file"``: a PDF, an HTML page, text or Markdown, from
+    ``FileSource`` or a Kafka message carrying the bytes) are parsed by ``etl.formats``: the content
+    is the file's text, its hash covers the parser's name and version too, ``fields`` say the
+    format, parser, page count and the bytes' sha256, and message headers (``tenant``) become fields.
+    A file that cannot become text is a typed dead letter (``encrypted``, ``corrupt_file``,
+    ``no_text``, ``too_large``), never a crash. ``max_file_bytes`` bounds them (``max_bytes`` the rest).
+
     Keys are typed so that two documents never share one by accident: with ``key_type="str"`` (the
     default) the key field must hold a string, with ``"int"`` an integer (stored as its decimal
     text); the other type is bad input, so ``1`` and ``"1"`` can never collapse into one document.
@@ -63,15 +71,19 @@ class Decoder(BaseModel):
     tenant_from: str = Field(default="field:tenant", pattern=r"^(field:.+|header:.+|key)$")
     default_tenant: str | None = "default"
     max_bytes: int = Field(default=1_000_000, gt=0)
+    max_file_bytes: int = Field(default=50_000_000, gt=0)
+    max_pages: int = Field(default=5000, gt=0)
     key_type: Literal["str", "int"] = "str"
 
-    def decode(self, message: Message, value_format: Literal["json", "text"]) -> Document:
+    def decode(self, message: Message, value_format: Literal["json", "text", "file"]) -> Document:
         """Raises BadInput with a one-line reason; the caller dead-letters the original bytes."""
         return self.document(self.read(message, value_format), message)
 
-    def read(self, message: Message, value_format: Literal["json", "text"]) -> Decoded:
+    def read(self, message: Message, value_format: Literal["json", "text", "file"]) -> Decoded:
         """``decode`` without the envelope (the hot path of every replay); raises BadInput."""
         value = message.value
+        if value_format == "file":
+            return self._file(message)
         if len(value) > self.max_bytes:
             raise BadInput(f"message is {len(value)} bytes, over the {self.max_bytes}-byte limit")
         try:
@@ -109,6 +121,34 @@ class Decoder(BaseModel):
             _checked("the document key", key, MAX_KEY)
         content = normalize_content(content)
         return Decoded(tenant, key, content, sha256_hex(content), fields)  # content_hash, normalized once
+
+    def _file(self, message: Message) -> Decoded:
+        value = message.value
+        unreadable = next((v for k, v in message.headers if k == "unreadable"), None)
+        if unreadable is not None:  # a listed file the source could not read
+            raise UnreadableFile(f"cannot read the listed file: {unreadable.decode('utf-8', 'replace')}", "missing_file")
+        if len(value) > self.max_file_bytes:
+            raise UnreadableFile(f"file is {len(value)} bytes, over the {self.max_file_bytes}-byte limit "
+                                 "(Decoder(max_file_bytes=...))", "too_large")
+        name = message.key.decode("utf-8", errors="replace") if message.key is not None else ""
+        try:
+            parsed = parse(value, name, max_pages=self.max_pages)
+        except UnreadableFile as exc:  # the letter has no document key: its detail names the file
+            raise UnreadableFile(f"{name}: {exc}" if name else str(exc), exc.reason) from exc
+        fields: dict[str, Any] = {k: v.decode("utf-8", errors="replace") for k, v in message.headers}
+        fields.update(format=parsed.format, parser=parsed.parser, pages=parsed.pages, bytes_sha256=sha256_hex(value))
+        key, tenant = self._key(message, fields), self._tenant(message, fields)
+        if tenant is None:
+            raise BadInput(f"no tenant ({self.tenant_from}) and no default tenant is configured")
+        # NUL and lone surrogates (a broken glyph) have no place in the store: replaced, not fatal
+        text = parsed.text.replace("\x00", "").encode("utf-8", "replace").decode("utf-8")
+        content = normalize_content(text)
+        if not content.strip():
+            raise UnreadableFile("the file has no text", "no_text")
+        _checked("the content", content)
+        _checked("the tenant", tenant, MAX_TENANT)
+        _checked("the document key", key, MAX_KEY)
+        return Decoded(tenant, key, content, parsed_content_hash(parsed.parser, content), fields)
 
     def _key(self, message: Message, fields: dict[str, Any]) -> str:
         key = fields.get(self.key_field)

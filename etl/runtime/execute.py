@@ -25,9 +25,13 @@ from etl.runtime.calls import (
     StagePlan,
     record,
 )
+from etl.grounding import Grounder
+from etl.runtime.chunks import answer_in_chunks
+from etl.runtime.chunks import attempts as count_attempts
 from etl.runtime.decode import Decoded
 from etl.storable import storable_text
 from etl.stages import Extract, Stage
+from etl.stages.chunking import chunk
 from etl.quality.router import Live, Students
 from etl.tenancy import ReviewSampling
 from schemas import CallRecord, DeadLetter, Document, Provenance, StageResult
@@ -211,8 +215,13 @@ class Executor:
                 if answered is not None:
                     shadow = (live, answered)  # also asked of the LLM, whose answer is stored
             if entry is None:
-                compute = functools.partial(self.calls.compute if fresh else self.calls.claim_or_wait, plan, document,
-                                            key)
+                parts = chunk(document.content, plan.chunk_tokens, stage.chunking.overlap_tokens) \
+                    if plan.chunk_tokens is not None and isinstance(stage, Extract) and stage.chunking else []
+                if len(parts) > 1:  # a long document: its chunks are the cache units
+                    compute = functools.partial(answer_in_chunks, self.flights, self.calls, plan, document, key, parts)
+                else:
+                    compute = functools.partial(self.calls.compute if fresh else self.calls.claim_or_wait, plan,
+                                                document, key)
                 # Only the flight's leader counts and records its attempts: a follower in this
                 # worker shares the leader's answer or failure, not its spend.
                 leads = key not in self.flights
@@ -223,8 +232,9 @@ class Executor:
                                 doc_key=document.key, stream=document.position.stream,
                                 partition=document.position.partition, offset=document.position.offset)
                     if leads:
-                        tally.llm_calls += len(failed.calls)
+                        tally.llm_calls += count_attempts(failed.calls)
                         work.calls.extend(failed.calls)
+                        work.cache.extend(failed.cache)
                     if shadow is not None:  # only a shadow check failed: the student's answer stands, unchecked
                         self._student_result(shadow[0], plan, key, shadow[1][0], work, tally)
                         outputs[stage.name] = shadow[1][0]
@@ -242,7 +252,7 @@ class Executor:
                 attempts, latency = 0, 0.0
             elif shared:
                 if computed is not None and computed.calls and leads:  # attempts paid before a lost lease
-                    tally.llm_calls += len(computed.calls)
+                    tally.llm_calls += count_attempts(computed.calls)
                     work.calls.extend(computed.calls)
                 tally.cache_hits += 1
                 tally.saved_cost += entry.cost
@@ -251,9 +261,11 @@ class Executor:
                 attempts, latency = 0, 0.0
             else:
                 assert computed is not None  # noqa: S101 - only a fresh computation is unshared
-                tally.llm_calls += len(computed.calls)
+                tally.llm_calls += count_attempts(computed.calls)
+                tally.saved_cost += sum(c.cost for c in computed.calls if c.outcome == "cache_hit")  # chunks
                 work.calls.extend(computed.calls)
                 work.cache.append(entry)
+                work.cache.extend(computed.chunk_entries)
                 attempts, latency = computed.attempts, computed.latency_ms
                 if getattr(stage, "router", None) is not None:
                     work.texts.append((key, document.content))  # the next student's training set
@@ -261,6 +273,17 @@ class Executor:
                     live, (_, mine) = shadow
                     work.checks.append((live.id, stage.name, key, mine, entry.output["label"]))
                     self.students.observe(live, mine == entry.output["label"])
+            if computed is not None:
+                work.chunks.extend(computed.chunks)
+            if isinstance(stage, Extract) and stage.grounding != "off":
+                spans = Grounder(document.content).spans(entry.output)
+                work.spans.extend({"stage": stage.name, "path": s.path, "value": s.value, "char_start": s.start,
+                                   "char_end": s.end, "page": s.page, "match": s.match, "score": s.score}
+                                  for s in spans)
+                if stage.grounding == "quarantine" and (lost := next((s for s in spans if not s.grounded), None)):
+                    return self._dead(document, payload, stage.name, key, "ungrounded",
+                                      f"{lost.path} = {lost.value[:100]!r} is not in the document's text", None, work,
+                                      settles)
             work.stages.append(stage.name)
             work.results.append(StageResult(
                 stage=stage.name,
@@ -295,7 +318,7 @@ class Executor:
                                typed_rows=tuple(work.typed), calls=tuple(work.calls), cache=tuple(work.cache),
                                dead_letter=dead_letter, letter_stands=letter_stands, settles_dead_letters=settles,
                                reviews=tuple(work.reviews), payload=payload, texts=tuple(work.texts),
-                               checks=tuple(work.checks))
+                               checks=tuple(work.checks), chunks=tuple(work.chunks), spans=tuple(work.spans))
 
     def _sample_review(self, document: Document, stage: str, output: dict[str, Any], work: _Work) -> None:
         if self.review is not None and (why := self.review.reason(
@@ -347,3 +370,5 @@ class _Work:
     reviews: list[tuple[str, dict[str, Any], str, str]] = dataclasses.field(default_factory=list)
     texts: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     checks: list[tuple[int, str, str, str, str]] = dataclasses.field(default_factory=list)
+    chunks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    spans: list[dict[str, Any]] = dataclasses.field(default_factory=list)

@@ -561,9 +561,12 @@ class Runner:
                 del self._live[pending.ref]
             if pending.slot:
                 self._slots.release()
-            self.executor.flights.forget(pending.keys)
+            # a long document's chunks were claimed and flown under keys of their own
+            keys = [*pending.keys, *(row["cache_key"] for row in outcome.chunks), *(e.cache_key for e in outcome.cache)] \
+                if outcome.chunks or outcome.cache else pending.keys
+            self.executor.flights.forget(keys)
             if self._peers is not None:
-                self._peers.release(pending.keys)
+                self._peers.release(keys)
         log.debug("flushed", pipeline=self.pipeline.name, outcomes=len(done), positions=len(batch.positions))
         if self.metrics is not None:
             await self._report(batch)

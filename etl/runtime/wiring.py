@@ -83,7 +83,8 @@ def replay_source(pipeline: Pipeline, since: datetime | None) -> KafkaSource:
         raise ConfigError(f"pipeline {pipeline.name!r} reads {type(source).__name__}, not Kafka: "
                           "file sources are re-read by every `etl run` already")
     return KafkaSource(source.topic, bootstrap=source.bootstrap, replay_from=since or "start",
-                       dlq_topic=source.dlq_topic, consumer_config=source.consumer_config)
+                       dlq_topic=source.dlq_topic, consumer_config=source.consumer_config,
+                       value_format=source.value_format)
 
 
 async def run_pipeline(pipeline: Pipeline, settings: Settings | None = None, **kwargs: object) -> RunStats:

@@ -133,6 +133,11 @@ class Stage(ABC):
             "model_checks": model_checks(self.output_model),
         }
 
+    def chunk_spec(self) -> dict[str, Any]:
+        """What decides the answer for one chunk of a long document (``spec`` unless the stage
+        reads documents in chunks)."""
+        return self.spec()
+
     def override(self, **changes: Any) -> Stage:
         """A copy with some constructor arguments replaced (per-tenant instructions, labels...).
 

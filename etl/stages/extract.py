@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
 from connectors.store.tables import same_columns, typed_table_problem
 from etl.errors import ConfigError
 from etl.stages.base import Predicate, Stage
+from etl.stages.chunking import Chunking
+from etl.stages.merge import Rule, rules_for
 from etl.validators import Validator
+
+Grounding = Literal["flag", "quarantine", "off"]
 
 
 def _snake(name: str) -> str:
@@ -23,6 +27,14 @@ class Extract(Stage):
 
     Results also land in a typed table (``table``, default: the schema's name in snake case) with one
     column per field, for analysts: ``SELECT total FROM receipt WHERE tenant = 'acme'``.
+
+    Long documents: with ``chunking``, a document longer than a chunk is asked in chunks (see
+    ``etl.stages.chunking``), each a cache entry of its own, and their answers are merged field by
+    field (``merge``, see ``etl.stages.merge``) into the document's one result. ``grounding`` says
+    what becomes of a value the document's text does not hold (``etl.grounding``): ``flag`` keeps
+    it and marks its span ``none``, ``quarantine`` makes the document a dead letter (``ungrounded``),
+    ``off`` looks for no span. Spans are stored in ``field_spans``; grounding is a check on answers,
+    not part of them, so it is not in the fingerprint (a change applies to documents answered after).
     """
 
     kind = "extract"
@@ -37,6 +49,9 @@ class Extract(Stage):
         table: str | None = None,
         max_tokens: int = 256,
         validators: Sequence[Validator] = (),
+        chunking: Chunking | None = None,
+        merge: Mapping[str, str | Rule] | None = None,
+        grounding: Grounding = "flag",
     ) -> None:
         if not (isinstance(schema, type) and issubclass(schema, BaseModel)):
             raise ConfigError(f"Extract(schema=...) needs a pydantic model class, got {schema!r}")
@@ -48,6 +63,28 @@ class Extract(Stage):
         problem = typed_table_problem(self.table, schema)
         if problem is not None:
             raise ConfigError(f"stage {self.name!r}: {problem}")
+        if merge and chunking is None:
+            raise ConfigError(f"stage {self.name!r}: merge rules apply to chunks; give chunking=Chunking() too")
+        if grounding not in ("flag", "quarantine", "off"):
+            raise ConfigError(f"stage {self.name!r}: grounding={grounding!r}; use 'flag', 'quarantine' or 'off'")
+        self.chunking = chunking
+        self.merge = dict(merge or {})
+        #: Every field's merge rule, checked against its type now rather than at the first long document.
+        self.rules = rules_for(schema, self.merge, self.name) if chunking is not None else {}
+        self.grounding = grounding
+
+    def spec(self) -> dict[str, Any]:
+        """The chunk spec, and how chunks are cut and merged: they decide the document's answer."""
+        spec = self.chunk_spec()
+        if self.chunking is not None:
+            spec["chunking"] = self.chunking.spec()
+            spec["merge"] = {name: rule.spec() for name, rule in self.rules.items()}
+        return spec
+
+    def chunk_spec(self) -> dict[str, Any]:
+        """What decides one chunk's answer: the prompt, schema and checks (not how the document was
+        cut or merged, so a changed merge rule re-merges cached chunks without a call)."""
+        return super().spec()
 
     def override(self, **changes: Any) -> Stage:
         """As :meth:`Stage.override`; another ``schema`` with other columns and no ``table`` gets its own

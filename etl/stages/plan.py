@@ -6,9 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from dedup import cache_key, canonical_json, sha256_hex, stage_fingerprint
+from dedup import cache_key, canonical_json, content_hash, sha256_hex, stage_fingerprint
 from etl.llm.base import LLM
 from etl.stages.base import Stage
+from etl.stages.chunking import estimate_tokens
+
+#: The context assumed for a model that does not say its own (``LLM.context_tokens``).
+DEFAULT_CONTEXT = 4096
 
 
 class Keyed(Protocol):
@@ -27,18 +31,38 @@ class StagePlan:
     prompt_hash: str
     schema_hash: str
     llm: LLM
+    #: What keys one chunk's answer (``fingerprint`` unless the stage reads documents in chunks).
+    chunk_fingerprint: str = ""
+    #: Most tokens of document text per chunk; None: the stage reads every document whole.
+    chunk_tokens: int | None = None
 
     @classmethod
     def of(cls, stage: Stage, llm: LLM, repairs: int = 1) -> StagePlan:
         """``repairs``: re-asks after an invalid answer, which decide what ends up valid."""
-        spec = {**stage.spec(), "model": llm.model_id, "params": llm.params, "repairs": repairs}
+        model = {"model": llm.model_id, "params": llm.params, "repairs": repairs}
+        spec = {**stage.spec(), **model}
+        fingerprint = stage_fingerprint(spec)
+        chunking = getattr(stage, "chunking", None)
+        chunk_tokens = None
+        if chunking is not None:
+            # the model's context less the fixed prompt and the answer's budget (and a margin for
+            # the chat template's own tokens)
+            chunk_tokens = chunking.max_tokens or max(
+                256, (llm.context_tokens or DEFAULT_CONTEXT) - estimate_tokens(spec["system"]) - stage.max_tokens - 64)
         return cls(
             stage=stage,
             llm=llm,
-            fingerprint=stage_fingerprint(spec),
+            fingerprint=fingerprint,
             prompt_hash=sha256_hex(canonical_json([spec["system"], spec["user"]])),
             schema_hash=sha256_hex(canonical_json(spec["schema"])),
+            chunk_fingerprint=stage_fingerprint({**stage.chunk_spec(), **model}) if chunking else fingerprint,
+            chunk_tokens=chunk_tokens,
         )
 
     def key(self, document: Keyed) -> str:
         return cache_key(document.tenant, self.fingerprint, document.content_hash)
+
+    def chunk_key(self, tenant: str, text: str) -> str:
+        """One chunk's cache key: its own text (never its position), so an unchanged chunk of an
+        edited document keeps its key wherever it moved."""
+        return cache_key(tenant, self.chunk_fingerprint, content_hash(text))

@@ -65,6 +65,10 @@ async def populate(url: str, tenants: tuple[str, ...] = TENANTS, *, store_text: 
                 conn.execute(text("INSERT INTO router_checks (student_id, pipeline, tenant, stage, doc_key, cache_key, "
                                   "student_label, llm_label, agree) VALUES (:s, 'support', :t, 'classify', 'd', 'k', "
                                   "'billing', 'billing', true)"), {"s": sid, "t": tenant})
+                # a long document's chunk rows (tests/integration/test_long_documents.py makes real ones)
+                conn.execute(text("INSERT INTO stage_chunks (pipeline, tenant, doc_key, stage, ordinal, cache_key, "
+                                  "char_start, char_end, page_start, page_end, cache_hit) VALUES ('support', :t, "
+                                  "'long', 'receipt', 0, 'k', 0, 10, 1, 1, false)"), {"t": tenant})
     finally:
         engine.dispose()
     return p
@@ -292,7 +296,7 @@ async def test_migrations_need_no_createrole(postgres_url: str, monkeypatch: pyt
                                             f"WHERE grantee = '{group}' AND privilege_type = 'SELECT'")}
         assert granted == {"documents", "stage_results", "llm_cache", "llm_calls", "dead_letters", "golden_examples",
                            "eval_runs", "eval_results", "drift_alerts", "review_queue", "receipt", "analyst_grants",
-                           "quality_daily", "eval_trend", "cache_texts", "students", "router_checks",
+                           "quality_daily", "eval_trend", "cache_texts", "students", "router_checks", "stage_chunks", "field_spans",
                            "router_daily"}, granted
     finally:
         with admin.begin() as conn:
