@@ -131,7 +131,7 @@ def test_the_readme_python_blocks_run_as_written(monkeypatch: pytest.MonkeyPatch
     assert len(blocks) >= 5
     namespace: dict[str, object] = {}
     for number, block in enumerate(blocks):
-        exec(compile(block, f"README.md python block {number + 1}", "exec"), namespace)  # noqa: S102
+        exec(compile(block, f"README.md python block {number + 1}", "exec", dont_inherit=True), namespace)  # noqa: S102
 
 
 def test_every_name_the_readme_calls_inline_is_public() -> None:
@@ -141,7 +141,7 @@ def test_every_name_the_readme_calls_inline_is_public() -> None:
     os.chdir(ROOT)
     try:
         for block in re.findall(r"```python\n(.*?)```", README, re.S):
-            exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102
+            exec(compile(block, "README.md", "exec", dont_inherit=True), namespace)  # noqa: S102
     finally:
         os.chdir(cwd)
     called = {name for span in re.findall(r"`([^`\n]+)`", README) for name in re.findall(r"\b([A-Z]\w+)\(", span)}
