@@ -1036,7 +1036,7 @@ def router_figures(golden_n: int = 1000, accuracy: float = 0.92) -> list[Figure]
 SECTIONS = {"replay": replay_figures, "cold": cold_figures, "dedup": dedup_figures,
             "constrained": constrained_figures, "memory": memory_figures, "batch": batch_figures,
             "router": router_figures, "store": store_figures, "quix": quix_figures,
-            "capacity": capacity_figures}
+            "capacity": capacity_figures, "long": lambda: __import__("bench.long_docs").long_docs.figures(RUNS)}
 
 
 def main() -> None:
