@@ -29,6 +29,8 @@ from etl.stages.chunking import Chunking
 from etl.stages.merge import concat
 from etl.testing import FakeLLM
 
+from bench.common import summary
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data" / "sroie" / "receipts.jsonl"
 ACCURACY, INVENTED = 0.93, 0.02
@@ -195,8 +197,6 @@ def pdf_throughput(folder: Path, runs: int) -> list[float]:
 
 
 def figures(runs: int = 5) -> list[dict[str, Any]]:
-    from bench.run import summary  # noqa: PLC0415 - the runner's figure record
-
     with tempfile.TemporaryDirectory() as tmp:
         found = text_figures(Path(tmp))
         throughput = pdf_throughput(Path(tmp), runs)

@@ -1,0 +1,1 @@
+"""One module per benchmark section, each with its ``*_figures`` function (see bench/run.py)."""
