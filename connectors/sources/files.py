@@ -85,10 +85,14 @@ class DirectorySource(_IteratorSource):
             raise SourceUnavailable(f"input directory {self.path} does not exist or is not a directory")
 
     def _messages(self) -> Iterator[Message]:
-        files = sorted(p for p in self.path.glob(self.pattern) if p.is_file())
-        for number, file in enumerate(files):
-            key = file.relative_to(self.path).as_posix()
-            yield Message(value=file.read_bytes(), key=key.encode(), stream=self.name, offset=number)
+        return _directory(self.path, (p for p in self.path.glob(self.pattern) if p.is_file()), self.name)
+
+
+def _directory(root: Path, files: Iterable[Path], stream: str) -> Iterator[Message]:
+    """One message per file, in sorted order (the offset), keyed by its path relative to ``root``."""
+    for number, file in enumerate(sorted(files)):
+        yield Message(value=file.read_bytes(), key=file.relative_to(root).as_posix().encode(), stream=stream,
+                      offset=number)
 
 
 class ListSource(_IteratorSource):
@@ -140,11 +144,8 @@ class FileSource(_IteratorSource):
 
     def _messages(self) -> Iterator[Message]:
         if self.path.is_dir():
-            files = sorted(p for p in self.path.glob(self.pattern or "**/*") if p.is_file() and (
-                self.pattern is not None or p.suffix.lower() in self.SUFFIXES))
-            for number, file in enumerate(files):
-                key = file.relative_to(self.path).as_posix()
-                yield Message(value=file.read_bytes(), key=key.encode(), stream=self.name, offset=number)
+            yield from _directory(self.path, (p for p in self.path.glob(self.pattern or "**/*") if p.is_file() and (
+                self.pattern is not None or p.suffix.lower() in self.SUFFIXES)), self.name)
             return
         with self.path.open("rb") as listing:
             for number, line in enumerate(listing):
