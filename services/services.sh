@@ -5,14 +5,14 @@
 #   restart-kafka      stop + start, keeping data; returns once usable again
 #   restart-postgres   same for PostgreSQL               status   say what is up
 # State (data, logs, pids): ${ETL_SERVICES_DIR:-/tmp/idem-etl-services}. Ports: ETL_KAFKA_PORT (19092;
-# controller +1, or ETL_KAFKA_CONTROLLER_PORT), ETL_PG_PORT (55432). Only the exports go to stdout.
+# controller +1, or ETL_KAFKA_CONTROLLER_PORT), ETL_PG_PORT (25432). Only the exports go to stdout.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(dirname "$HERE")
 KAFKA_PORT=${ETL_KAFKA_PORT:-19092}
 CTRL_PORT=${ETL_KAFKA_CONTROLLER_PORT:-$((KAFKA_PORT + 1))}
-PG_PORT=${ETL_PG_PORT:-55432}
+PG_PORT=${ETL_PG_PORT:-25432}
 TIMEOUT=${ETL_SERVICES_TIMEOUT:-90}   # seconds a service gets to become ready
 LIBS=$HERE/kafka/libs
 mkdir -p "${ETL_SERVICES_DIR:-/tmp/idem-etl-services}"
