@@ -34,6 +34,8 @@ class CacheEntry:
     cost: float
     structured: str | None = None
     system_fingerprint: str | None = None
+    #: Per value path, ``[probability, "logprob" | "agreement"]`` (``etl.confidence``), where known.
+    confidence: dict[str, list[Any]] | None = None
 
 
 @dataclass(frozen=True)

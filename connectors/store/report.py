@@ -7,15 +7,28 @@ from typing import Any
 from sqlalchemy import Engine, case, func, inspect, select
 
 from connectors.store.sql import db_now
-from connectors.store.tables import dead_letters, documents, llm_calls, llm_claims, source_positions, stage_results
+from connectors.store.tables import (
+    dead_letters,
+    documents,
+    field_spans,
+    llm_calls,
+    llm_claims,
+    source_positions,
+    stage_chunks,
+    stage_results,
+)
+
+NAMES = ("documents", "stages", "chunks", "grounding", "calls", "dead_letters", "positions", "in_flight")
 
 
 def status(engine: Engine, pipeline: str | None = None,
            end_offsets: dict[tuple[str, int], int] | None = None) -> dict[str, list[dict[str, Any]]]:
-    """Per pipeline: documents and results per stage, calls and spend, dead letters, live claims,
-    positions (with lag when the source's end offsets are given). Empty when never migrated."""
+    """Per pipeline: documents and results per stage, long documents' chunks, grounded values,
+    calls and spend, dead letters, live claims, positions (with lag when the source's end offsets
+    are given). Empty when never migrated."""
     if not inspect(engine).has_table("stage_results"):
-        return {"stages": [], "calls": [], "dead_letters": [], "positions": [], "documents": [], "in_flight": []}
+        return {name: [] for name in NAMES}
+    chunk, span = stage_chunks.c, field_spans.c
 
     def where(table: Any) -> Any:
         return table.c.pipeline == pipeline if pipeline else True
@@ -29,6 +42,20 @@ def status(engine: Engine, pipeline: str | None = None,
             func.sum(case((stage_results.c.cache_hit, 1), else_=0)).label("from_cache"),
         ).where(where(stage_results)).group_by(stage_results.c.pipeline, stage_results.c.stage)
         .order_by(stage_results.c.pipeline, stage_results.c.stage),
+        "chunks": select(
+            chunk.pipeline, chunk.tenant, chunk.stage, func.count(func.distinct(chunk.doc_key)).label("documents"),
+            func.count().label("chunks"), func.sum(case((chunk.cache_hit, 1), else_=0)).label("chunks_from_cache"),
+            func.max(chunk.page_end).label("most_pages"),
+        ).where(where(stage_chunks)).group_by(chunk.pipeline, chunk.tenant, chunk.stage)
+        .order_by(chunk.pipeline, chunk.tenant, chunk.stage),
+        "grounding": select(
+            span.pipeline, span.tenant, span.stage, func.count().label("values"),
+            func.sum(case((span.match != "none", 1), else_=0)).label("grounded"),
+            func.sum(case((span.match == "none", 1), else_=0)).label("ungrounded"),
+            func.count(span.confidence).label("with_confidence"),
+            func.avg(span.confidence).label("mean_confidence"),
+        ).where(where(field_spans)).group_by(span.pipeline, span.tenant, span.stage)
+        .order_by(span.pipeline, span.tenant, span.stage),
         "calls": select(
             llm_calls.c.pipeline, llm_calls.c.tenant, llm_calls.c.stage, llm_calls.c.model,
             func.sum(case((llm_calls.c.outcome != "cache_hit", 1), else_=0)).label("attempts"),
@@ -57,7 +84,7 @@ def status(engine: Engine, pipeline: str | None = None,
         state = case((k.expires_at >= db_now(conn), "live"), else_="expired").label("lease")
         queries["in_flight"] = select(k.pipeline, k.owner.label("worker"), state, func.count().label("claimed_keys")) \
             .where(where(llm_claims)).group_by(k.pipeline, k.owner, state).order_by(k.pipeline, k.owner)
-        found = {name: [dict(row) for row in conn.execute(query).mappings()] for name, query in queries.items()}
+        found = {name: [dict(row) for row in conn.execute(queries[name]).mappings()] for name in NAMES}
     if end_offsets is not None:
         stored = {(r["stream"], r["partition"]): r for r in found["positions"]}
         found["positions"] = [

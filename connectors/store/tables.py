@@ -108,6 +108,7 @@ llm_cache = Table(
     Column("cost", Float, nullable=False),
     Column("structured", String(20)),
     Column("system_fingerprint", String(200)),
+    Column("confidence", Json),
     _now(),
 )
 
@@ -382,6 +383,8 @@ field_spans = Table(
     Column("page", Integer),
     Column("match", String(20), nullable=False),
     Column("score", Float, nullable=False),
+    Column("confidence", Float),  # etl.confidence: the model's probability of this value, where known
+    Column("confidence_from", String(20)),  # logprob | agreement
     PrimaryKeyConstraint("pipeline", "tenant", "doc_key", "stage", "path", name="pk_field_spans"),
 )
 

@@ -197,8 +197,9 @@ def status(
         help="A pipeline name, or a pipeline file/module: then Kafka lag per partition is shown too.")] = None,
     db: DbOption = None,
 ) -> None:
-    """Documents, results per stage, LLM calls and spend, dead letters, in-flight claims, stored
-    positions (and lag, for a Kafka pipeline given as a file or module)."""
+    """Documents, results per stage, long documents' chunks, grounded values, LLM calls and spend,
+    dead letters, in-flight claims, stored positions (and lag, for a Kafka pipeline given as a file
+    or module)."""
     from connectors.store import make_engine  # noqa: PLC0415
     from connectors.store.report import status as report  # noqa: PLC0415
 
@@ -223,6 +224,8 @@ def status(
         out.print(f"{_safe(url)}: nothing processed yet")
         return
     titles = {"documents": "Documents", "stages": "Results per stage",
+              "chunks": "Long documents: chunks per tenant and stage (an unchanged chunk is a cache hit)",
+              "grounding": "Extracted values found in their document's text (field_spans)",
               "calls": "LLM calls: spend and cache savings (USD) per tenant, stage, model",
               "dead_letters": "Dead letters", "in_flight": "In-flight LLM work (claims; expired ones are free to take)",
               "positions": "Stored positions and lag"}

@@ -43,6 +43,9 @@ class LLMResponse:
     #: Earlier sends of this request the provider received and never answered (a batch's errored
     #: or expired lines, sent again by the backend itself): attempts too, recorded at no cost.
     unanswered: int = 0
+    #: The answer's tokens as ``(piece, logprob)`` in order, where the backend reports them: each
+    #: field's confidence is read from them (``etl.confidence``).
+    token_logprobs: tuple[tuple[str, float], ...] = ()
 
 
 class LLM(ABC):

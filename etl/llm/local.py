@@ -39,6 +39,39 @@ def _quiet_log(level: int, text: bytes, user_data: int) -> None:
     """Drops llama.cpp's log lines (kept at module level so the callback outlives every model)."""
 
 
+class _TokenLogprobs:
+    """A logits processor that goes last: it keeps the log-softmax of the scores the constraint
+    left, and reads the chosen token's log-probability from the next step's input (greedy decoding
+    picks a token after every processor has run)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self._last: Any = None
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        import numpy as np  # noqa: PLC0415
+
+        if self._last is not None:
+            token = int(input_ids[-1])
+            self.tokens.append(token)
+            self.logprobs.append(float(self._last[token]))
+        top = float(np.max(scores))
+        shifted = scores - top
+        self._last = shifted - float(np.log(np.sum(np.exp(shifted))))
+        return scores
+
+    def pieces(self, detokenize: Any) -> tuple[tuple[str, float], ...]:
+        """``(piece, logprob)`` per chosen token; pieces decoded from the growing prefix, so a
+        character split across tokens lands on the token that completes it."""
+        out, before = [], ""
+        for number, logprob in enumerate(self.logprobs, start=1):
+            text = detokenize(self.tokens[:number]).decode("utf-8", errors="ignore")
+            out.append((text[len(before):], logprob))
+            before = text
+        return tuple(out)
+
+
 class LocalLLM(LLM):
     """llama.cpp in-process. One model, one thread: calls are serialised (llama.cpp contexts are not
     thread-safe), and since documents end the prompt, consecutive calls of a stage reuse the KV cache
@@ -97,11 +130,12 @@ class LocalLLM(LLM):
             if self._llama is None:
                 self._load()
             processor = self._processor(request.json_schema) if constrained else None
+            recorder = _TokenLogprobs()
             started = time.perf_counter()
             try:
                 completion = self._llama.create_chat_completion(
                     request.messages,
-                    logits_processor=LogitsProcessorList([processor]) if processor else None,
+                    logits_processor=LogitsProcessorList([processor, recorder] if processor else [recorder]),
                     temperature=0.0,
                     repeat_penalty=self.repeat_penalty,
                     max_tokens=request.max_tokens,
@@ -113,6 +147,7 @@ class LocalLLM(LLM):
             if processor is not None and processor.is_first_token:
                 # outlines never saw a token: the constraint did not run. Never pass that off as constrained.
                 raise LLMError("the outlines constraint was not applied (is numba installed?)")
+            tokens = recorder.pieces(self._llama.detokenize)
         choice = completion["choices"][0]
         usage = completion["usage"]
         return LLMResponse(
@@ -123,6 +158,7 @@ class LocalLLM(LLM):
             finish_reason="length" if choice["finish_reason"] == "length" else "stop",
             latency_ms=(time.perf_counter() - started) * 1000,
             extra={"structured": "outlines" if constrained else "none"},
+            token_logprobs=tokens,
         )
 
     async def generate(self, request: LLMRequest) -> LLMResponse:

@@ -43,16 +43,21 @@ class OpenAICompatibleLLM(LLM):
         structured: How the schema is enforced server-side (see the module docstring).
         price_per_mtok: USD per million (input, output) tokens, for cost accounting.
         requests_per_s, tokens_per_min: A client-side rate limit for this provider.
+        logprobs: Ask for the answer's token log-probabilities (``"logprobs": true``), from which
+            each field's confidence is read; off by default, as some servers and models refuse it.
+            llama.cpp's server (started with ``--logits_all true``) reports the model's own
+            distribution before its grammar, so its confidences run lower than in-process LocalLLM's.
     """
 
     def __init__(self, base_url: str, model: str, *, api_key: SecretStr | str | None = None,
                  structured: StructuredMode = "json_schema", timeout_s: float = 60.0,
                  price_per_mtok: tuple[float, float] = (0.0, 0.0), requests_per_s: float | None = None,
-                 tokens_per_min: float | None = None, temperature: float = 0.0) -> None:
+                 tokens_per_min: float | None = None, temperature: float = 0.0, logprobs: bool = False) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.model_id = f"{model}@{self.base_url}"
         self.structured = structured
+        self.logprobs = logprobs
         self.params = {"temperature": temperature, "structured": structured}
         self.price_per_mtok = price_per_mtok
         key = api_key.get_secret_value() if isinstance(api_key, SecretStr) else api_key
@@ -65,6 +70,8 @@ class OpenAICompatibleLLM(LLM):
         messages = list(request.messages)
         body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": request.max_tokens,
                                 "temperature": self.params["temperature"]}
+        if self.logprobs:  # top_logprobs too: llama.cpp's server reports none without it
+            body["logprobs"], body["top_logprobs"] = True, 0
         if self.structured == "json_schema":
             body["response_format"] = {"type": "json_schema",
                                        "json_schema": {"name": "output", "schema": request.json_schema, "strict": True}}
@@ -120,7 +127,23 @@ class OpenAICompatibleLLM(LLM):
             finish_reason=finish,
             latency_ms=latency_ms,
             extra={"structured": self.structured, "system_fingerprint": payload.get("system_fingerprint")},
+            token_logprobs=_token_logprobs(choice),
         )
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+
+def _token_logprobs(choice: dict[str, Any]) -> tuple[tuple[str, float], ...]:
+    """``choices[0].logprobs.content[]``'s ``(token, logprob)``; nothing where it is missing or
+    malformed (a confidence is never guessed from a shape we do not know)."""
+    content = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
+    if not isinstance(content, list):
+        return ()
+    tokens = []
+    for item in content:
+        token, logprob = (item.get("token"), item.get("logprob")) if isinstance(item, dict) else (None, None)
+        if not isinstance(token, str) or isinstance(logprob, bool) or not isinstance(logprob, (int, float)):
+            return ()
+        tokens.append((token, float(logprob)))
+    return tuple(tokens)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -20,15 +21,23 @@ from connectors.store.sql import migrate as upgrade_schema
 from connectors.store.tables import eval_results, eval_runs, golden_examples, llm_calls
 from connectors.store.write import upsert
 from dedup import content_hash
+from dedup import SingleFlight
+from etl.confidence import calibration
 from etl.errors import ConfigError
 from etl.llm.base import LLM
 from etl.pipeline import Pipeline
-from etl.quality.scoring import classification_scores, extraction_scores
+from etl.quality.scoring import classification_scores, extraction_scores, normalize_value
 from etl.runtime.decode import MAX_KEY, MAX_TENANT
+from etl.runtime.chunks import answer_in_chunks
 from etl.runtime.execute import ModelCalls, StageFailed, StagePlan
+from etl.stages.chunking import chunk
 from etl.stages import Classify
 from etl.storable import text_problem, value_problem
 from schemas import Document, Position
+
+
+#: An example's answer: output (None if it failed), the attempts, the failure's reason, the confidence.
+Answered = tuple[dict[str, Any] | None, list[Any], str | None, dict[str, list[Any]] | None]
 
 
 def read_golden(path: Path, default_tenant: str = "default") -> list[dict[str, Any]]:
@@ -130,16 +139,22 @@ async def evaluate(engine: Engine, pipeline: Pipeline, llm: LLM, stage_name: str
         calls = ModelCalls(repairs=repairs)
         gate = asyncio.Semaphore(concurrency)
 
-        async def answer(plan: StagePlan, example: dict[str, Any]) -> tuple[dict[str, Any] | None, list[Any], str | None]:
+        async def answer(plan: StagePlan, example: dict[str, Any]) -> Answered:
             doc = Document(tenant=example["tenant"], key=example["doc_key"], content=example["content"],
                            content_hash=content_hash(example["content"]),
                            position=Position(stream="golden", offset=example["id"]))
+            parts = chunk(doc.content, plan.chunk_tokens, plan.stage.chunking.overlap_tokens) \
+                if plan.chunk_tokens is not None and plan.stage.chunking is not None else []
             async with gate:
                 try:
-                    computed = await calls.compute(plan, doc)
-                    return computed.entry.output, computed.calls, None
+                    if len(parts) > 1:  # as a run answers it: in chunks
+                        computed = await answer_in_chunks(SingleFlight(), calls, plan, doc, plan.key(doc),
+                                                          plan.stage.chunks_to_ask(parts))
+                    else:
+                        computed = await calls.compute(plan, doc)
+                    return computed.entry.output, computed.calls, None, computed.entry.confidence
                 except StageFailed as failed:
-                    return None, failed.calls, failed.reason
+                    return None, failed.calls, failed.reason, None
 
         for tenant_name, items in sorted(by_tenant.items()):
             # The tenant's stage and model, as its documents run (its overrides, its own model).
@@ -151,9 +166,27 @@ async def evaluate(engine: Engine, pipeline: Pipeline, llm: LLM, stage_name: str
     return runs
 
 
+def confidence_pairs(stage: Any, expected: dict[str, Any], predicted: dict[str, Any] | None,
+                     confidence: dict[str, list[Any]] | None) -> list[tuple[float, bool, str]]:
+    """(confidence, correct, source) per scored value: a Classify answer's label, an Extract
+    answer's top-level scalar fields that have a confidence (compared as the scores compare them)."""
+    if predicted is None:
+        return []
+    if isinstance(stage, Classify):
+        sure = predicted.get("confidence")
+        source = (confidence or {}).get("label", [None, "backend"])[1]
+        return [] if sure is None else [(float(sure), predicted["label"] == expected["label"], source)]
+    pairs = []
+    for name, want in expected.items():
+        if isinstance(want, (dict, list)) or name not in (confidence or {}):
+            continue
+        sure, source = confidence[name]  # type: ignore[index]
+        pairs.append((float(sure), normalize_value(predicted.get(name)) == normalize_value(want), source))
+    return pairs
+
+
 def _record(engine: Engine, pipeline: str, tenant: str, stage: Any, plan: StagePlan, llm: LLM,
-            items: list[dict[str, Any]], answers: list[tuple[dict[str, Any] | None, list[Any], str | None]]
-            ) -> dict[str, Any]:
+            items: list[dict[str, Any]], answers: list[Answered]) -> dict[str, Any]:
     expected = [e["expected"] for e in items]
     predicted = [a[0] for a in answers]
     if isinstance(stage, Classify):
@@ -170,6 +203,10 @@ def _record(engine: Engine, pipeline: str, tenant: str, stage: Any, plan: StageP
         scores = extraction_scores(expected, predicted)
         correct = [extraction_scores([e], [p])["accuracy"] == 1.0 for e, p in zip(expected, predicted, strict=True)]
         details = {"fields": scores["fields"]}
+    pairs = [pair for e, a in zip(expected, answers, strict=True) for pair in confidence_pairs(stage, e, a[0], a[3])]
+    if pairs:
+        details["calibration"] = {**calibration((p, ok) for p, ok, _ in pairs),
+                                  "sources": dict(Counter(source for _, _, source in pairs))}
     model = next((c.model for a in answers for c in a[1] if c.outcome == "ok"), llm.model_id)
     run = {"pipeline": pipeline, "tenant": tenant, "stage": stage.name, "model": model,
            "fingerprint": plan.fingerprint, "examples": len(items), "failed": sum(a[2] is not None for a in answers),

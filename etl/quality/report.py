@@ -1,4 +1,5 @@
-"""The quality report: one self-contained HTML page of eval accuracy, drift and spend per tenant.
+"""The quality report: one self-contained HTML page of eval accuracy, drift, grounding and
+calibration, and spend per tenant.
 
 Self-contained (inline CSS, hand-drawn SVG, no JavaScript, no assets) so the page can be attached to
 a CI run, mailed, or opened from a bucket with no server, and so drawing it needs no new dependency.
@@ -14,9 +15,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, inspect, select, text
+from sqlalchemy import Engine, case, func, inspect, select, text
 
-from connectors.store.tables import drift_alerts, eval_runs
+from connectors.store.tables import drift_alerts, eval_runs, field_spans
 
 #: Okabe-Ito minus yellow: tells tenants apart under the common colour-vision deficiencies.
 PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#7F7F7F")
@@ -171,6 +172,33 @@ def _bar_chart(rows: Sequence[tuple[str, list[tuple[float, str]], float | None, 
     return "".join(out) + "</svg>"
 
 
+def _reliability(runs: Sequence[tuple[str, str, dict[str, Any]]]) -> str:
+    """A reliability diagram: per run (label, colour, calibration), each bin's accuracy against
+    its mean confidence (dot area by count), the diagonal being perfect calibration."""
+    size, pad = 300, 40
+    def at(v: float) -> float:
+        return pad + v * (size - 2 * pad)
+    out = [f'<svg viewBox="0 0 {size} {size}" style="max-width:{size}px" role="img" '
+           'aria-label="reliability diagram: accuracy against confidence">',
+           f'<line x1="{at(0)}" y1="{size - at(0)}" x2="{at(1)}" y2="{size - at(1)}" stroke="#9aa5b1" '
+           'stroke-dasharray="4 3"/>']
+    for t in (0.0, 0.5, 1.0):
+        out.append(f'<text x="{at(t)}" y="{size - pad + 16}" text-anchor="middle">{t:g}</text>'
+                   f'<text x="{pad - 8}" y="{size - at(t) + 4}" text-anchor="end">{t:g}</text>')
+    out.append(f'<text x="{size / 2}" y="{size - 4}" text-anchor="middle">confidence</text>'
+               f'<text x="12" y="{size / 2}" transform="rotate(-90 12 {size / 2})" text-anchor="middle">accuracy</text>')
+    for label, colour, cal in runs:
+        total = max(1, cal.get("pairs") or 1)
+        for b in cal.get("bins", []):
+            if not b.get("count"):
+                continue
+            r = 3 + 9 * math.sqrt(b["count"] / total)
+            out.append(f'<circle cx="{at(b["confidence"]):.1f}" cy="{size - at(b["accuracy"]):.1f}" r="{r:.1f}" '
+                       f'fill="{colour}" fill-opacity="0.75"><title>{_e(label)}: {b["count"]} values, confidence '
+                       f'{b["confidence"]:.2f}, accuracy {b["accuracy"]:.2f}</title></circle>')
+    return "".join(out) + "</svg>"
+
+
 def _fetch(engine: Engine, pipeline: str | None) -> tuple[list[Row], list[Row], list[Row]]:
     """(eval runs oldest first, drift alerts newest first, spend per pipeline × tenant); empty when never migrated."""
     found = inspect(engine)
@@ -202,18 +230,37 @@ def _fetch(engine: Engine, pipeline: str | None) -> tuple[list[Row], list[Row], 
     return evals, drifts, costs
 
 
+def _grounding(engine: Engine, pipeline: str | None) -> list[Row]:
+    """Per pipeline × tenant × stage: values, grounded values, values with a confidence, their mean."""
+    if "field_spans" not in inspect(engine).get_table_names():
+        return []
+    c = field_spans.c
+    query = select(c.pipeline, c.tenant, c.stage, func.count().label("values"),
+                   func.sum(case((c.match != "none", 1), else_=0)).label("grounded"),
+                   func.count(c.confidence).label("confident"), func.avg(c.confidence).label("mean_confidence")
+                   ).group_by(c.pipeline, c.tenant, c.stage).order_by(c.pipeline, c.tenant, c.stage)
+    with engine.connect() as conn:
+        rows = [dict(r) for r in conn.execute(query.where(c.pipeline == pipeline) if pipeline else query).mappings()]
+    for r in rows:
+        r.update({k: float(r[k] or 0) for k in ("values", "grounded", "confident")})
+        r["mean_confidence"] = None if r["mean_confidence"] is None else float(r["mean_confidence"])
+    return rows
+
+
 def write_report(engine: Engine, out_dir: Path, pipeline: str | None = None) -> Path:
     """Writes out_dir/index.html (creating out_dir) and returns its path.
 
-    One page, three sections (eval accuracy over time, drift, spend and cache savings per tenant),
+    One page, four sections (eval accuracy over time, drift, grounding and calibration, spend and
+    cache savings per tenant),
     each saying which command fills it while its table is empty. ``pipeline`` narrows every query.
     """
     evals, drifts, costs = _fetch(engine, pipeline)
-    multi = len({r["pipeline"] for r in evals + drifts + costs}) > 1
+    grounded = _grounding(engine, pipeline)
+    multi = len({r["pipeline"] for r in evals + drifts + costs + grounded}) > 1
     def who(r: Row) -> str:  # tenants are only unique within a pipeline
         return f"{r['pipeline']}/{r['tenant']}" if multi else str(r["tenant"])
     colours: dict[str, str] = {}
-    for name in sorted({who(r) for r in evals + drifts + costs}):
+    for name in sorted({who(r) for r in evals + drifts + costs + grounded}):
         colours[name] = PALETTE[len(colours) % len(PALETTE)]
 
     # -- accuracy over time
@@ -265,6 +312,37 @@ def write_report(engine: Engine, out_dir: Path, pipeline: str | None = None) -> 
     else:
         drift.append(_empty("etl drift"))
 
+    # -- grounding and calibration
+    trust = ['<section id="grounding"><h2>Grounding and calibration</h2><p class="sub">Grounded: the share of '
+             "extracted values found in their document's text (<code>field_spans</code>). Calibration: on the "
+             "golden set (needs confidences: a backend that reports log-probabilities, or long documents), how often "
+             "values of a given confidence are right (expected calibration error, ECE: 0 is "
+             "perfect; dots on the diagonal are calibrated).</p>"]
+    if grounded:
+        trust.append(_table(["Tenant", "Stage", "Values", "Grounded", "Ungrounded", "With a confidence",
+                             "Mean confidence"],
+                            [[_e(who(r)), _e(r["stage"]), f"{r['values']:,.0f}", f"<b>{_pct(r['grounded'] / r['values'])}</b>",
+                              f"{r['values'] - r['grounded']:,.0f}", _pct(r["confident"] / r["values"]),
+                              "–" if r["mean_confidence"] is None else f"{r['mean_confidence']:.3f}"]
+                             for r in grounded], 2))
+    else:
+        trust.append(_empty("etl run"))
+    calibrated = {k: runs[-1] for k, runs in latest.items() if (runs[-1].get("details") or {}).get("calibration")}
+    if calibrated:
+        trust.append("<h3>Calibration on the golden set (latest eval per tenant, stage and model)</h3>")
+        by_stage: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}
+        for (t, _, stage, model), r in sorted(calibrated.items()):
+            by_stage.setdefault(stage, []).append((f"{t} · {model}", colours[t], r["details"]["calibration"]))
+        for stage, runs in by_stage.items():
+            trust.append(f"<h3>{_e(stage)}</h3>" + _legend([(label, c) for label, c, _ in runs]) + _reliability(runs))
+        trust.append(_table(["Tenant", "Stage", "Model", "ECE", "Values", "Confidence from", "When (UTC)"], [
+            [_e(t), _e(stage), _e(model), f"<b>{r['details']['calibration']['ece']:.3f}</b>",
+             str(r["details"]["calibration"]["pairs"]),
+             _e(", ".join(f"{k} {v}" for k, v in sorted(r["details"]["calibration"].get("sources", {}).items()))),
+             _when(r["at"])] for (t, _, stage, model), r in sorted(calibrated.items())], 3))
+    else:
+        trust.append(_empty("etl eval"))
+
     # -- cost and cache savings
     first, last = (min(str(r["first"]) for r in costs), max(str(r["last"]) for r in costs)) if costs else ("", "")
     span = "" if not costs else f" on {first}" if first == last else f" from {first} to {last}"
@@ -294,7 +372,7 @@ def write_report(engine: Engine, out_dir: Path, pipeline: str | None = None) -> 
             f'content="width=device-width, initial-scale=1"><title>idem-etl quality report</title><style>{CSS}</style>'
             f"</head><body><main><header><h1>idem-etl quality report</h1><p>Generated {now}{scope}</p>"
             '<div class="cards">' + "".join(f"<div class=card><span>{k}</span><b>{v}</b></div>" for k, v in cards)
-            + "</div></header>" + "".join(acc) + "</section>" + "".join(drift) + "</section>" + "".join(cost)
+            + "</div></header>" + "".join(acc) + "</section>" + "".join(drift) + "</section>" + "".join(trust) + "</section>" + "".join(cost)
             + "</section></main></body></html>")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "index.html"

@@ -35,6 +35,7 @@ from etl.errors import (
     SemanticInvalid,
     StageError,
 )
+from etl.confidence import from_logprobs
 from etl.llm.base import LLM, LLMRequest, LLMResponse
 from etl.stages import StagePlan
 from etl.tenancy import TenantBudgets
@@ -188,6 +189,11 @@ class ModelCalls:
                 except OutputError as exc:
                     calls.append(attempt("failed", error=exc.reason))
                     raise
+                if repairs_left > 0 and (problem := stage.reask(output, document)) is not None:
+                    repairs_left -= 1  # valid, but not all of it is in the text: asked again, once per repair
+                    calls.append(attempt("repair", error="ungrounded"))
+                    request = stage.repair(request, response.text, problem)
+                    continue
                 calls.append(attempt("ok"))
                 break
         except EtlError as exc:
@@ -201,6 +207,7 @@ class ModelCalls:
             output=output.model_dump(mode="json"), model=response.model, tokens_in=spent_in, tokens_out=spent_out,
             cost=sum(c.cost for c in calls), structured=response.extra.get("structured"),
             system_fingerprint=response.extra.get("system_fingerprint"),
+            confidence=from_logprobs(response.text, response.token_logprobs) or None,
         )
         return Computed(entry=entry, calls=calls, attempts=len(calls),
                         latency_ms=(time.perf_counter() - started) * 1000)

@@ -21,7 +21,7 @@ from etl.formats import page_of
 from etl.runtime.calls import Computed, ModelCalls, StageFailed, record
 from etl.stages import StagePlan
 from etl.stages.chunking import Chunk
-from etl.stages.merge import merge
+from etl.stages.merge import merge_with_origins, merged_confidence
 from schemas import CallRecord, Document
 
 
@@ -75,15 +75,17 @@ async def answer_in_chunks(flights: SingleFlight[Computed], calls: ModelCalls, p
                      "page_end": page_of(document.content, max(part.start, part.end - 1)), "cache_hit": shared})
     if failure is not None:
         raise StageFailed(failure.error, paid, tuple(fresh)) from failure
-    merged = merge(answers, plan.stage.rules)  # type: ignore[attr-defined]
+    entries = [computed.entry for computed, _, _ in outcomes if isinstance(computed, Computed)]
+    merged, origins = merge_with_origins(answers, plan.stage.rules)
+    confidence = merged_confidence(answers, [e.confidence for e in entries], merged, origins, plan.stage.rules)
     try:
-        output = plan.stage.output_model.model_validate(merged).model_dump(mode="json")
+        output = plan.stage.output_model.model_validate(plan.stage.merged(merged, confidence)).model_dump(mode="json")
     except ValueError as exc:  # the chunks' answers are valid, their merge is not (a rule the schema refuses)
         raise StageFailed(SchemaInvalid(f"the merged answer of {len(parts)} chunks: {str(exc)[:300]}"), paid,
                           tuple(fresh)) from exc
-    entries = [computed.entry for computed, _, _ in outcomes if isinstance(computed, Computed)]
     entry = CacheEntry(cache_key=key, tenant=document.tenant, stage=stage, fingerprint=plan.fingerprint, output=output,
                        model=entries[0].model, tokens_in=sum(e.tokens_in for e in entries),
-                       tokens_out=sum(e.tokens_out for e in entries), cost=sum(e.cost for e in entries))
+                       tokens_out=sum(e.tokens_out for e in entries), cost=sum(e.cost for e in entries),
+                       confidence=confidence or None)
     return Computed(entry=entry, calls=paid, attempts=attempts(paid), latency_ms=0.0, chunk_entries=tuple(fresh),
                     chunks=tuple(rows))

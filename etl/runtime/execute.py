@@ -216,9 +216,10 @@ class Executor:
                     shadow = (live, answered)  # also asked of the LLM, whose answer is stored
             if entry is None:
                 parts = chunk(document.content, plan.chunk_tokens, stage.chunking.overlap_tokens) \
-                    if plan.chunk_tokens is not None and isinstance(stage, Extract) and stage.chunking else []
+                    if plan.chunk_tokens is not None and stage.chunking is not None else []
                 if len(parts) > 1:  # a long document: its chunks are the cache units
-                    compute = functools.partial(answer_in_chunks, self.flights, self.calls, plan, document, key, parts)
+                    compute = functools.partial(answer_in_chunks, self.flights, self.calls, plan, document, key,
+                                                stage.chunks_to_ask(parts))
                 else:
                     compute = functools.partial(self.calls.compute if fresh else self.calls.claim_or_wait, plan,
                                                 document, key)
@@ -277,8 +278,11 @@ class Executor:
                 work.chunks.extend(computed.chunks)
             if isinstance(stage, Extract) and stage.grounding != "off":
                 spans = Grounder(document.content).spans(entry.output)
+                sure = entry.confidence or {}
                 work.spans.extend({"stage": stage.name, "path": s.path, "value": s.value, "char_start": s.start,
-                                   "char_end": s.end, "page": s.page, "match": s.match, "score": s.score}
+                                   "char_end": s.end, "page": s.page, "match": s.match, "score": s.score,
+                                   "confidence": sure.get(s.path, (None, None))[0],
+                                   "confidence_from": sure.get(s.path, (None, None))[1]}
                                   for s in spans)
                 if stage.grounding == "quarantine" and (lost := next((s for s in spans if not s.grounded), None)):
                     return self._dead(document, payload, stage.name, key, "ungrounded",

@@ -15,6 +15,8 @@ from pydantic import BaseModel, ValidationError
 from dedup import sha256_hex
 from etl.errors import ConfigError, Refusal, SchemaInvalid, SemanticInvalid, Truncated
 from etl.llm.base import LLMRequest, LLMResponse, Message
+from etl.stages.chunking import Chunk, Chunking
+from etl.stages.merge import Rule
 from etl.storable import value_problem
 from dedup import code_digest
 from etl.validators import Validator, validator_spec
@@ -84,6 +86,10 @@ class Stage(ABC):
     kind: ClassVar[str]
     #: Bump when a change to the class alters outputs for the same prompt and schema.
     version: ClassVar[int] = 1
+    #: How a long document is cut (``etl.stages.chunking``); None: every document is read whole.
+    chunking: Chunking | None = None
+    #: Per output field, how the chunks' answers merge (``etl.stages.merge``).
+    rules: Mapping[str, Rule] = {}
 
     def __init__(self, name: str, instructions: str, when: Predicate | None, max_tokens: int,
                  validators: Sequence[Validator] = ()) -> None:
@@ -120,7 +126,19 @@ class Stage(ABC):
         ]
 
     def spec(self) -> dict[str, Any]:
-        """Everything of the stage's own that determines its output (the model is added by the runner)."""
+        """Everything of the stage's own that determines its output (the model is added by the
+        runner): the chunk spec, and how chunks are cut and merged where the stage reads long
+        documents in chunks."""
+        spec = self.chunk_spec()
+        if self.chunking is not None:
+            spec["chunking"] = self.chunking.spec()
+            spec["merge"] = {name: rule.spec() for name, rule in self.rules.items()}
+        return spec
+
+    def chunk_spec(self) -> dict[str, Any]:
+        """What decides one answer: the prompt, schema and checks (for a chunk of a long document,
+        not how the document was cut or merged, so a changed merge rule re-merges cached chunks
+        without a call)."""
         return {
             "kind": self.kind,
             "version": self.version,
@@ -133,10 +151,19 @@ class Stage(ABC):
             "model_checks": model_checks(self.output_model),
         }
 
-    def chunk_spec(self) -> dict[str, Any]:
-        """What decides the answer for one chunk of a long document (``spec`` unless the stage
-        reads documents in chunks)."""
-        return self.spec()
+    def reask(self, output: BaseModel, document: Document) -> str | None:
+        """What is wrong with a valid answer that is worth asking again about (Extract's
+        ``grounding="reask"``: values the text does not hold), or None."""
+        return None
+
+    def chunks_to_ask(self, parts: list[Chunk]) -> list[Chunk]:
+        """Which chunks of a long document are asked (all of them, unless the stage says less)."""
+        return parts
+
+    def merged(self, output: dict[str, Any], confidence: Mapping[str, list[Any]]) -> dict[str, Any]:
+        """The merged answer of a long document's chunks, as the stage completes it (Classify adds
+        its confidence)."""
+        return output
 
     def override(self, **changes: Any) -> Stage:
         """A copy with some constructor arguments replaced (per-tenant instructions, labels...).

@@ -10,12 +10,14 @@ from pydantic import BaseModel
 
 from connectors.store.tables import same_columns, typed_table_problem
 from etl.errors import ConfigError
+from etl.grounding import Grounder
 from etl.stages.base import Predicate, Stage
 from etl.stages.chunking import Chunking
 from etl.stages.merge import Rule, rules_for
 from etl.validators import Validator
+from schemas import Document
 
-Grounding = Literal["flag", "quarantine", "off"]
+Grounding = Literal["flag", "reask", "quarantine", "off"]
 
 
 def _snake(name: str) -> str:
@@ -32,9 +34,11 @@ class Extract(Stage):
     ``etl.stages.chunking``), each a cache entry of its own, and their answers are merged field by
     field (``merge``, see ``etl.stages.merge``) into the document's one result. ``grounding`` says
     what becomes of a value the document's text does not hold (``etl.grounding``): ``flag`` keeps
-    it and marks its span ``none``, ``quarantine`` makes the document a dead letter (``ungrounded``),
-    ``off`` looks for no span. Spans are stored in ``field_spans``; grounding is a check on answers,
-    not part of them, so it is not in the fingerprint (a change applies to documents answered after).
+    it and marks its span ``none``, ``reask`` asks again (using a repair, ``repairs=`` of the run)
+    naming the values not found and keeps and flags what is still not found, ``quarantine`` makes
+    the document a dead letter (``ungrounded``), ``off`` looks for no span. Spans are stored in
+    ``field_spans``. Only ``reask`` changes answers, so only it is in the fingerprint; a change
+    between the others applies to documents answered after it.
     """
 
     kind = "extract"
@@ -65,26 +69,29 @@ class Extract(Stage):
             raise ConfigError(f"stage {self.name!r}: {problem}")
         if merge and chunking is None:
             raise ConfigError(f"stage {self.name!r}: merge rules apply to chunks; give chunking=Chunking() too")
-        if grounding not in ("flag", "quarantine", "off"):
-            raise ConfigError(f"stage {self.name!r}: grounding={grounding!r}; use 'flag', 'quarantine' or 'off'")
+        if grounding not in ("flag", "reask", "quarantine", "off"):
+            raise ConfigError(f"stage {self.name!r}: grounding={grounding!r}; use 'flag', 'reask', 'quarantine' or 'off'")
         self.chunking = chunking
         self.merge = dict(merge or {})
         #: Every field's merge rule, checked against its type now rather than at the first long document.
         self.rules = rules_for(schema, self.merge, self.name) if chunking is not None else {}
         self.grounding = grounding
 
-    def spec(self) -> dict[str, Any]:
-        """The chunk spec, and how chunks are cut and merged: they decide the document's answer."""
-        spec = self.chunk_spec()
-        if self.chunking is not None:
-            spec["chunking"] = self.chunking.spec()
-            spec["merge"] = {name: rule.spec() for name, rule in self.rules.items()}
+    def chunk_spec(self) -> dict[str, Any]:
+        spec = super().chunk_spec()
+        if self.grounding == "reask":  # it re-asks, so it decides answers
+            spec["grounding"] = "reask"
         return spec
 
-    def chunk_spec(self) -> dict[str, Any]:
-        """What decides one chunk's answer: the prompt, schema and checks (not how the document was
-        cut or merged, so a changed merge rule re-merges cached chunks without a call)."""
-        return super().spec()
+    def reask(self, output: BaseModel, document: Document) -> str | None:
+        if self.grounding != "reask":
+            return None
+        lost = [span for span in Grounder(document.content).spans(output.model_dump(mode="json")) if not span.grounded]
+        if not lost:
+            return None
+        named = ", ".join(f"{span.path}={span.value[:60]!r}" for span in lost[:5])
+        return (f"{named} {'does' if len(lost) == 1 else 'do'} not appear in the text; copy every value as the "
+                "text writes it, or use null where the text does not say")
 
     def override(self, **changes: Any) -> Stage:
         """As :meth:`Stage.override`; another ``schema`` with other columns and no ``table`` gets its own

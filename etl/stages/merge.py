@@ -77,32 +77,73 @@ def rules_for(schema: type[BaseModel], declared: Mapping[str, str | Rule] | None
 
 def merge(outputs: Sequence[Mapping[str, Any]], rules: Mapping[str, Rule]) -> dict[str, Any]:
     """The document's answer from its chunks' validated answers (in document order)."""
+    return merge_with_origins(outputs, rules)[0]
+
+
+def merge_with_origins(outputs: Sequence[Mapping[str, Any]], rules: Mapping[str, Rule]
+                       ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """:func:`merge`, and where each field came from: per concat field the ``(chunk, item)`` of
+    every merged item, per scalar field the chunk whose value it took (None for ``sum`` or no value)."""
     merged: dict[str, Any] = {}
+    origins: dict[str, Any] = {}
     for name, rule in rules.items():
         values = [output.get(name) for output in outputs]
-        present = [value for value in values if value is not None]
+        present = [(number, value) for number, value in enumerate(values) if value is not None]
         if rule.how == "concat":
-            items, seen = [], set()
-            for value in present:
-                for item in value:
+            items, seen, came = [], set(), []
+            for number, value in present:
+                for index, item in enumerate(value):
                     identity = canonical_json({k: item.get(k) for k in rule.key} if rule.key and isinstance(item, dict)
                                               else item)
                     if identity not in seen:
                         seen.add(identity)
                         items.append(item)
-            merged[name] = items
+                        came.append((number, index))
+            merged[name], origins[name] = items, came
         elif not present:
-            merged[name] = None
+            merged[name], origins[name] = None, None
         elif rule.how == "first":
-            merged[name] = present[0]
+            origins[name], merged[name] = present[0]
         elif rule.how == "majority":
-            counts = Counter(canonical_json(value) for value in present)
+            counts = Counter(canonical_json(value) for _, value in present)
             best = max(counts.values())
-            merged[name] = next(value for value in present if counts[canonical_json(value)] == best)
-        elif rule.how == "max":
-            merged[name] = max(present)
-        elif rule.how == "min":
-            merged[name] = min(present)
+            origins[name], merged[name] = next(pair for pair in present if counts[canonical_json(pair[1])] == best)
+        elif rule.how in ("max", "min"):
+            pick = max if rule.how == "max" else min
+            origins[name], merged[name] = pick(present, key=lambda pair: pair[1])
         else:
-            merged[name] = sum(present)
-    return merged
+            merged[name], origins[name] = sum(value for _, value in present), None
+    return merged, origins
+
+
+def merged_confidence(outputs: Sequence[Mapping[str, Any]], confidences: Sequence[Mapping[str, list[Any]] | None],
+                      merged: Mapping[str, Any], origins: Mapping[str, Any],
+                      rules: Mapping[str, Rule]) -> dict[str, list[Any]]:
+    """Each merged value's confidence (``etl.confidence``): the log-probability its chunk gave it,
+    where the chunk has one; else, for a scalar field two or more chunks answered, the share of
+    those chunks that gave the merged value (``agreement``), which a ``majority`` field always
+    gets (a vote is as sure as its margin). Nothing for a sum."""
+    out: dict[str, list[Any]] = {}
+    for name, origin in origins.items():
+        if origin is None:
+            continue
+        if isinstance(origin, list):  # concat: item n of the merge is item k of chunk i
+            for number, (chunk, index) in enumerate(origin):
+                own = confidences[chunk] or {}
+                prefix = f"{name}[{index}]"
+                for path, value in own.items():
+                    if path == prefix or path.startswith((prefix + ".", prefix + "[")):
+                        out[f"{name}[{number}]{path[len(prefix):]}"] = value
+            continue
+        answered = [output.get(name) for output in outputs if output.get(name) is not None]
+        voted = rules[name].how == "majority" and len(answered) >= 2  # a vote's sureness is its margin
+        own = confidences[origin] or {}
+        found = {path: value for path, value in own.items()
+                 if path == name or path.startswith((name + ".", name + "["))}
+        if found and not voted:
+            out.update(found)
+            continue
+        if len(answered) >= 2 and not isinstance(merged[name], (dict, list)):
+            agree = sum(canonical_json(value) == canonical_json(merged[name]) for value in answered)
+            out[name] = [round(agree / len(answered), 6), "agreement"]
+    return out

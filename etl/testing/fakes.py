@@ -10,7 +10,8 @@ import asyncio
 import json
 import os
 import random
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +62,14 @@ class FakeLLM(LLM):
         model_id: What the fingerprint and provenance record; change it to simulate a new model.
         call_log: A file that gets one line per call (the prompt's hash), appended atomically, so
             calls can be counted across processes that are killed before they commit anything.
+        logprobs: Makes the answer's ``(piece, logprob)`` tokens from (request, answer text), for
+            tests of per-field confidence (:func:`value_logprobs` gives each value a probability).
     """
 
     def __init__(self, answer: Answer = schema_answer, *, latency_s: float | Callable[[], float] = 0.0,
                  fault: Fault | None = None, model_id: str = "fake-llm", tokens: tuple[int, int] = (100, 20),
-                 price_per_mtok: tuple[float, float] = (0.0, 0.0), call_log: str | Path | None = None) -> None:
+                 price_per_mtok: tuple[float, float] = (0.0, 0.0), call_log: str | Path | None = None,
+                 logprobs: Callable[[LLMRequest, str], Sequence[tuple[str, float]]] | None = None) -> None:
         self.answer = answer
         self.latency_s = latency_s
         self.fault = fault
@@ -74,6 +78,7 @@ class FakeLLM(LLM):
         self.tokens = tokens
         self.price_per_mtok = price_per_mtok
         self.call_log = Path(call_log) if call_log else None
+        self.logprobs = logprobs
         self.calls: list[LLMRequest] = []
         self.in_flight = 0
         self.max_in_flight = 0
@@ -99,9 +104,30 @@ class FakeLLM(LLM):
             answer = self.answer(request)
             text = answer if isinstance(answer, str) else json.dumps(answer)
             return LLMResponse(text=text, model=self.model_id, tokens_in=self.tokens[0], tokens_out=self.tokens[1],
-                               latency_ms=delay * 1000)
+                               latency_ms=delay * 1000,
+                               token_logprobs=tuple(self.logprobs(request, text)) if self.logprobs else ())
         finally:
             self.in_flight -= 1
+
+
+def value_logprobs(probability: Callable[[LLMRequest, str], float]
+                   ) -> Callable[[LLMRequest, str], list[tuple[str, float]]]:
+    """FakeLLM's ``logprobs=``: each scalar of the answer one token with the log of
+    ``probability(request, path)``, the JSON around them tokens of probability 1."""
+    from etl.confidence import value_ranges  # noqa: PLC0415
+
+    def tokens(request: LLMRequest, text: str) -> list[tuple[str, float]]:
+        out, at = [], 0
+        for path, (start, end) in sorted(value_ranges(text).items(), key=lambda item: item[1]):
+            if start > at:
+                out.append((text[at:start], 0.0))
+            out.append((text[start:end], math.log(max(1e-9, min(1.0, probability(request, path))))))
+            at = end
+        if at < len(text):
+            out.append((text[at:], 0.0))
+        return out
+
+    return tokens
 
 
 def simulated_labeller(gold: dict[str, str], labels: list[str], accuracy: float = 0.92,

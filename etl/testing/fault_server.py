@@ -17,6 +17,7 @@ Otherwise it answers a valid object for the requested JSON schema, deterministic
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 import time
@@ -124,10 +125,17 @@ class FaultServer:
             with self._lock:
                 self.tokens_served[0] += prompt_tokens
                 self.tokens_served[1] += completion_tokens
+        choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish}
+        if body.get("logprobs") and message.get("content"):
+            # four-character tokens, each with the probability 0.9 (OpenAI's shape: content[].token/logprob)
+            content = message["content"]
+            choice["logprobs"] = {"content": [
+                {"token": content[at:at + 4], "logprob": math.log(0.9), "bytes": list(content[at:at + 4].encode()),
+                 "top_logprobs": []} for at in range(0, len(content), 4)], "refusal": None}
         return 200, {}, {
             "id": f"chatcmpl-{self.requests}", "object": "chat.completion", "model": "fault-model-2026-01",
             "system_fingerprint": "fp_fault_1",
-            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+            "choices": [choice],
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens},
         }

@@ -49,7 +49,7 @@ def llama_server(llm: LocalLLM) -> Iterator[str]:
         port = s.getsockname()[1]
     proc = subprocess.Popen(
         [sys.executable, "-m", "llama_cpp.server", "--model", str(llm.path), "--host", "127.0.0.1",
-         "--port", str(port), "--n_ctx", "2048", "--verbose", "false"],
+         "--port", str(port), "--n_ctx", "2048", "--verbose", "false", "--logits_all", "true"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     url = f"http://127.0.0.1:{port}/v1"
@@ -139,6 +139,33 @@ async def test_same_pipeline_on_local_model_and_on_llama_cpp_server(llm: LocalLL
             (Receipt if stage == "receipt" else stages[0].output_model).model_validate_json(output)
         structured = {s for (s,) in rows(url, "SELECT DISTINCT structured FROM stage_results")}
         assert structured == ({"outlines"} if backend is llm else {"json_object"})
+
+
+async def test_each_field_s_confidence_from_the_local_model_s_own_tokens(llm: LocalLLM, llama_server: str,
+                                                                          tmp_path: object) -> None:
+    """llama.cpp in-process and llama.cpp's server (OpenAI's logprobs wire format) both give each
+    extracted value a probability from the tokens that spell it, and Classify its label's; cached
+    with the answer, so a re-run costs nothing and changes nothing."""
+    receipts = [json.loads(line) for line in (EXAMPLES / "receipts.jsonl").read_text().splitlines()[:2]]
+    docs = [{"id": r["id"], "text": r["text"]} for r in receipts]
+    stages = [Classify(["receipt", "letter", "advert"], "What kind of document is this?", name="kind"),
+              Extract(Receipt, "Extract the receipt's key fields.", table="receipt")]
+    server = OpenAICompatibleLLM(llama_server, "smollm2", structured="json_object", timeout_s=120, logprobs=True)
+    for backend in (llm, server):
+        url = f"sqlite:///{tmp_path}/conf-{type(backend).__name__}.db"
+        await run_pipeline(Pipeline("conf", ListSource(docs), stages, store=url), llm=backend)
+        spans = rows(url, "SELECT path, confidence, confidence_from FROM field_spans")
+        assert spans, type(backend).__name__
+        assert all(0.0 < conf <= 1.0 and source == "logprob" for _, conf, source in spans), spans
+        kinds = [json.loads(o)["confidence"] for (o,) in rows(url, "SELECT output FROM stage_results WHERE stage = 'kind'")]
+        assert len(kinds) == 2 and all(0.0 < k <= 1.0 for k in kinds), kinds
+        print(f"\n{type(backend).__name__}: {len(spans)} values, confidence "
+              f"{min(c for _, c, _ in spans):.3f}-{max(c for _, c, _ in spans):.3f}; labels {kinds}")
+        before = counts(url, ("stage_results", "llm_calls", "field_spans"))
+        stats = await run_pipeline(Pipeline("conf", ListSource(docs), stages, store=url), llm=backend)
+        assert stats.llm_calls == stats.results_written == 0 and counts(url, tuple(before)) == before
+        assert rows(url, "SELECT path, confidence, confidence_from FROM field_spans") == spans
+    await server.aclose()
 
 
 async def test_llama_cpp_server_rejects_json_schema_mode(llama_server: str) -> None:

@@ -82,8 +82,9 @@ def test_an_empty_store_renders_a_note_per_section(engine: Engine, tmp_path: Pat
     assert path == out / "index.html"
     page = path.read_text()
     assert "idem-etl quality report" in page
-    assert page.count("No data yet") == 3
-    for name, command in (("accuracy", "etl eval"), ("drift", "etl drift"), ("cost", "etl run")):
+    assert page.count("No data yet") == 5  # grounding and calibration each say what fills them
+    for name, command in (("accuracy", "etl eval"), ("drift", "etl drift"), ("cost", "etl run"),
+                          ("grounding", "etl run"), ("grounding", "etl eval")):
         assert f"<code>{command}</code>" in section(page, name)
     assert "<svg" not in page
 

@@ -1,0 +1,148 @@
+"""How sure the model was of each value it wrote, and whether that sureness can be trusted.
+
+Per field, from one of two sources, always said which:
+
+- ``logprob``: the probability the model gave the tokens that spell the value (the product over
+  the tokens that overlap the value's characters in the answer's JSON text: a string's characters
+  between its quotes, a number's digits), where
+  the backend reports token log-probabilities (llama.cpp here, OpenAI with ``logprobs=True``). For a
+  constrained decoder it is the probability under the constrained distribution.
+- ``agreement``: for a long document's scalar fields without log-probabilities, the share of the
+  chunks that gave a value which gave the merged one.
+
+A field with neither has no confidence (``None``), never a made-up one. :func:`calibration` turns
+(confidence, correct) pairs from the golden set into an expected calibration error and the bins of
+a reliability diagram. Pure: text in, numbers out.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+#: A field's confidence as cached and stored: ``[probability, "logprob" | "agreement"]``.
+Confidence = dict[str, list[Any]]
+
+
+class _Scanner:
+    """The character range of every scalar in a JSON text, by the path ``etl.grounding.leaves`` uses."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.at = 0
+        self.ranges: dict[str, tuple[int, int]] = {}
+        self._decoder = json.JSONDecoder()
+
+    def _space(self) -> None:
+        while self.at < len(self.text) and self.text[self.at] in " \t\r\n":
+            self.at += 1
+
+    def value(self, path: str) -> None:
+        self._space()
+        char = self.text[self.at:self.at + 1]
+        if char == "{":
+            self.at += 1
+            self._space()
+            if self.text.startswith("}", self.at):
+                self.at += 1
+                return
+            while True:
+                self._space()
+                name, self.at = self._decoder.raw_decode(self.text, self.at)
+                self._space()
+                if not self.text.startswith(":", self.at):
+                    raise ValueError("expected ':'")
+                self.at += 1
+                self.value(f"{path}.{name}" if path else str(name))
+                self._space()
+                if self.text.startswith(",", self.at):
+                    self.at += 1
+                    continue
+                if self.text.startswith("}", self.at):
+                    self.at += 1
+                    return
+                raise ValueError("expected ',' or '}'")
+        if char == "[":
+            self.at += 1
+            self._space()
+            if self.text.startswith("]", self.at):
+                self.at += 1
+                return
+            number = 0
+            while True:
+                self.value(f"{path}[{number}]")
+                number += 1
+                self._space()
+                if self.text.startswith(",", self.at):
+                    self.at += 1
+                    continue
+                if self.text.startswith("]", self.at):
+                    self.at += 1
+                    return
+                raise ValueError("expected ',' or ']'")
+        start = self.at
+        _, self.at = self._decoder.raw_decode(self.text, self.at)
+        self.ranges[path] = (start, self.at)
+
+
+def value_ranges(text: str) -> dict[str, tuple[int, int]]:
+    """``{path: (start, end)}`` of every scalar in the JSON ``text`` (a string's range includes its
+    quotes); empty if the text is not one JSON value."""
+    scanner = _Scanner(text)
+    try:
+        scanner.value("")
+        scanner._space()
+    except (ValueError, IndexError):
+        return {}
+    return scanner.ranges if scanner.at == len(text) else {}
+
+
+def from_logprobs(text: str, tokens: Sequence[tuple[str, float]]) -> Confidence:
+    """Each scalar's probability from the answer's tokens (``(piece, logprob)`` in order, whose
+    pieces spell ``text``, or spell it with surrounding space some servers strip). Empty when the
+    pieces do not spell the text, or carry a NaN: then nothing is claimed. A value the pieces do
+    not reach to its end (a last token not reported) gets none."""
+    spelled = "".join(piece for piece, _ in tokens)
+    core = text.strip()
+    found = spelled.find(core) if core else -1
+    if found < 0 and spelled.strip() and core.startswith(spelled.strip()):  # the last tokens not reported
+        found = len(spelled) - len(spelled.lstrip())
+    if found < 0 or any(logprob != logprob for _, logprob in tokens):
+        return {}
+    at = (len(text) - len(text.lstrip())) - found  # where the first piece starts, in text's offsets
+    spans = []
+    for piece, logprob in tokens:
+        spans.append((at, at + len(piece), min(0.0, logprob)))
+        at += len(piece)
+    reach = at
+    out: Confidence = {}
+    for path, (start, end) in value_ranges(text).items():
+        if end > reach:
+            continue
+        if text[start] == '"' and end - start > 2:  # a string's own characters, not the quotes' choice of
+            start, end = start + 1, end - 1  # spacing around them (a token ' "' or '"}' is formatting)
+        total = sum(logprob for begin, stop, logprob in spans if begin < end and stop > start)
+        out[path] = [math.exp(total), "logprob"]
+    return out
+
+
+def calibration(pairs: Iterable[tuple[float, bool]], bins: int = 10) -> dict[str, Any]:
+    """Expected calibration error of (confidence, correct) pairs over ``bins`` equal-width bins,
+    and each bin's count, mean confidence and accuracy (a reliability diagram's bars)."""
+    pairs = [(min(1.0, max(0.0, float(p))), bool(ok)) for p, ok in pairs if p is not None and math.isfinite(p)]
+    rows = []
+    ece = 0.0
+    for number in range(bins):
+        low, high = number / bins, (number + 1) / bins
+        inside = [(p, ok) for p, ok in pairs if low <= p < high or (number == bins - 1 and p == 1.0)]
+        if not inside:
+            rows.append({"low": low, "high": high, "count": 0, "confidence": None, "accuracy": None})
+            continue
+        mean = sum(p for p, _ in inside) / len(inside)
+        accuracy = sum(ok for _, ok in inside) / len(inside)
+        ece += len(inside) / len(pairs) * abs(accuracy - mean)
+        rows.append({"low": low, "high": high, "count": len(inside), "confidence": round(mean, 4),
+                     "accuracy": round(accuracy, 4)})
+    return {"ece": round(ece, 4) if pairs else None, "pairs": len(pairs), "bins": rows}

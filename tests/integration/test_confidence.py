@@ -1,0 +1,248 @@
+"""Per-field confidence (issue 27): from token log-probabilities where the backend reports them,
+from agreement across a long document's chunks otherwise; cached with the answer (a redelivery
+costs nothing and keeps it), stored beside each value's span, calibrated on the golden set and shown
+in the report. Classify over long documents by a vote of its chunks; ``grounding="reask"``."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+from openai import OpenAI
+from pydantic import BaseModel
+from sqlalchemy import create_engine
+from typer.testing import CliRunner
+
+from connectors.store.report import status
+from etl.cli.app import app
+
+from etl import Classify, Extract, OpenAICompatibleLLM, Pipeline, run_pipeline
+from etl.llm.base import LLMRequest
+from etl.quality.golden import evaluate, import_golden
+from etl.quality.report import write_report
+from etl.stages.chunking import Chunking
+from etl.testing import FakeLLM, FaultServer, ListSource, value_logprobs
+from tests.helpers import counts, rows
+
+
+class Item(BaseModel):
+    company: str
+    total: float | None
+
+
+class Bundle(BaseModel):
+    vendor: str | None
+    receipts: list[Item]
+
+
+def blocks(n: int) -> list[str]:
+    return [f"RECEIPT {i}\nSHOP NUMBER {i} SDN BHD\nJALAN {i} TAMAN KEBUN\nTHANK YOU COME AGAIN\nTOTAL {i}.50\nVENDOR ACME" for i in range(n)]
+
+
+def reader(request: LLMRequest) -> dict[str, Any]:
+    """Reads what it is given: one item per receipt block of its chunk, the vendor line."""
+    text = request.messages[-1]["content"]
+    items = [{"company": line.strip(), "total": float(text.split("TOTAL ", 1)[1].split()[0]) if "TOTAL" in text else None}
+             for line in text.splitlines() if line.startswith("SHOP")]
+    for number, block in enumerate(text.split("RECEIPT ")[1:]):
+        if "TOTAL " in block and number < len(items):
+            items[number]["total"] = float(block.split("TOTAL ", 1)[1].split()[0])
+    return {"vendor": "ACME" if "VENDOR ACME" in text else None, "receipts": items}
+
+
+def sure_of(request: LLMRequest, path: str) -> float:
+    """Each value's probability, a function of the value's place, so the test can predict it."""
+    return 0.5 if path.endswith("total") else 0.9
+
+
+def pipeline(url: str, docs: list[dict[str, Any]], *stages: Any) -> Pipeline:
+    return Pipeline("conf", ListSource(docs), list(stages), store=url)
+
+
+def bundle_stage(**extra: Any) -> Extract:
+    return Extract(Bundle, "Extract the vendor and every receipt.", name="bundle", chunking=Chunking(max_tokens=64),
+                   **extra)
+
+
+async def test_chunk_logprobs_become_each_merged_value_s_confidence_and_survive_a_redelivery(store_url: str) -> None:
+    document = "\n\n".join(blocks(12))
+    llm = FakeLLM(reader, logprobs=value_logprobs(sure_of))
+    stats = await run_pipeline(pipeline(store_url, [{"id": "b1", "text": document}], bundle_stage()), llm=llm)
+    assert stats.results_written == 1 and len(llm.calls) > 3
+    spans = {path: (conf, source) for path, conf, source in
+             rows(store_url, "SELECT path, confidence, confidence_from FROM field_spans")}
+    (output,) = [json.loads(o) if isinstance(o, str) else o for (o,) in rows(store_url, "SELECT output FROM stage_results")]
+    assert len(output["receipts"]) == 12
+    for number in range(12):  # every merged item carries the probability its chunk gave it
+        assert spans[f"receipts[{number}].company"] == (0.9, "logprob")
+        assert spans[f"receipts[{number}].total"] == (0.5, "logprob")
+    assert spans["vendor"] == (0.9, "logprob")
+
+    # etl status shows the chunks and the grounded values, with the same figures as the tables
+    shown = CliRunner().invoke(app, ["status", "--db", store_url])
+    assert shown.exit_code == 0, shown.output
+    chunks = counts(store_url, ("stage_chunks",))["stage_chunks"]
+    assert "Long documents" in shown.output and f"{chunks}" in shown.output.split("Long documents")[1]
+    assert "found in their document's text" in shown.output
+    (chunked,) = status(create_engine(store_url))["chunks"]
+    assert (chunked["documents"], chunked["chunks"], chunked["chunks_from_cache"]) == (1, chunks, 0)
+    (grounded,) = status(create_engine(store_url))["grounding"]
+    assert grounded["values"] == len(spans) and grounded["with_confidence"] == len(spans)
+
+    before = counts(store_url, ("stage_results", "llm_cache", "field_spans"))
+    again = FakeLLM(reader, logprobs=value_logprobs(sure_of))
+    stats = await run_pipeline(pipeline(store_url, [{"id": "b1", "text": document}], bundle_stage()), llm=again)
+    assert len(again.calls) == stats.llm_calls == stats.results_written == 0
+    assert counts(store_url, tuple(before)) == before
+    # a copy of the same document: served from the cache, with the same confidences
+    stats = await run_pipeline(pipeline(store_url, [{"id": "b2", "text": document}], bundle_stage()), llm=again)
+    assert len(again.calls) == 0 and stats.results_written == 1
+    copy = dict(rows(store_url, "SELECT path, confidence FROM field_spans WHERE doc_key = 'b2'"))
+    assert copy == {path: conf for path, (conf, _) in spans.items()}
+
+
+async def test_without_logprobs_a_scalar_field_s_confidence_is_the_chunks_agreement(sqlite_url: str) -> None:
+    # the vendor line is in the last 3 of 12 blocks: chunks that do not see it answer null, and
+    # null is no vote; two chunks say ACME, one says GLOBEX
+    texts = blocks(12)
+    def vendor(request: LLMRequest) -> dict[str, Any]:
+        answer = reader(request)
+        answer["vendor"] = "GLOBEX" if "RECEIPT 0\n" in request.messages[-1]["content"] else answer["vendor"]
+        return answer
+    stage = Extract(Bundle, "Extract.", name="bundle", chunking=Chunking(max_tokens=64), merge={"vendor": "majority"})
+    llm = FakeLLM(vendor)
+    await run_pipeline(pipeline(sqlite_url, [{"id": "b", "text": "\n\n".join(texts)}], stage), llm=llm)
+    chunk_answers = [vendor(r)["vendor"] for r in llm.calls]
+    voted = [v for v in chunk_answers if v is not None]
+    (value, conf, source), = rows(sqlite_url, "SELECT value, confidence, confidence_from FROM field_spans WHERE path = 'vendor'")
+    assert source == "agreement" and value == max(set(voted), key=voted.count)
+    assert math.isclose(conf, voted.count(value) / len(voted), abs_tol=1e-6)
+    assert rows(sqlite_url, "SELECT count(*) FROM field_spans WHERE path != 'vendor' AND confidence IS NOT NULL") == [(0,)]
+
+
+async def test_classify_a_long_document_by_its_chunks_vote_or_by_its_head(store_url: str) -> None:
+    paragraphs = [f"Paragraph {i}: " + ("card was declined at the shop. " if i % 3 else "how do I change my pin? ") * 4
+                  for i in range(15)]
+    document = "\n\n".join(paragraphs)
+    def label(request: LLMRequest) -> dict[str, Any]:
+        text = request.messages[-1]["content"]
+        return {"label": "declined" if text.count("declined") >= text.count("pin?") else "pin"}
+    vote = Classify(["declined", "pin"], "Intent?", name="intent", chunking=Chunking(max_tokens=80))
+    llm = FakeLLM(label)
+    await run_pipeline(pipeline(store_url, [{"id": "d", "text": document}], vote), llm=llm)
+    answers = [label(r)["label"] for r in llm.calls]
+    assert len(answers) == counts(store_url, ("stage_chunks",))["stage_chunks"] > 3
+    (output,) = [json.loads(o) if isinstance(o, str) else o for (o,) in rows(store_url, "SELECT output FROM stage_results")]
+    winner = max(set(answers), key=answers.count)
+    assert output["label"] == winner and math.isclose(output["confidence"], answers.count(winner) / len(answers), abs_tol=1e-6)
+
+    # one paragraph edited: only the chunks around it are asked again; a re-run asks nothing
+    edited = "\n\n".join([*paragraphs[:7], paragraphs[7].replace("Paragraph 7", "Paragraph seven"), *paragraphs[8:]])
+    again = FakeLLM(label)
+    await run_pipeline(pipeline(store_url, [{"id": "d", "text": edited}], vote), llm=again)
+    assert 1 <= len(again.calls) <= 2
+    still = FakeLLM(label)
+    await run_pipeline(pipeline(store_url, [{"id": "d", "text": edited}], vote), llm=still)
+    assert len(still.calls) == 0
+
+    head = Classify(["declined", "pin"], "Intent?", name="intent", chunking=Chunking(max_tokens=80), vote="head")
+    first = FakeLLM(label)
+    await run_pipeline(pipeline(store_url, [{"id": "h", "text": "\n\n".join(reversed(paragraphs))}], head), llm=first)
+    assert len(first.calls) == 1 and first.calls[0].messages[-1]["content"].startswith("Paragraph 14")
+    # the head of the voted document is a chunk the vote already paid for
+    cached = FakeLLM(label)
+    await run_pipeline(pipeline(store_url, [{"id": "h2", "text": document}], head), llm=cached)
+    assert len(cached.calls) == 0
+
+
+async def test_reask_names_the_values_the_text_does_not_hold_and_keeps_the_grounded_answer(store_url: str) -> None:
+    text = "SHOP NUMBER 1 SDN BHD\nTOTAL 12.50"
+    def invents_first(request: LLMRequest) -> dict[str, Any]:
+        repaired = any("do not appear in the text" in m["content"] or "does not appear in the text" in m["content"]
+                       for m in request.messages)
+        return {"company": "SHOP NUMBER 1 SDN BHD" if repaired else "MADE UP TRADING", "total": 12.5}
+    llm = FakeLLM(invents_first)
+    stage = Extract(Item, "Extract.", name="item", grounding="reask")
+    stats = await run_pipeline(pipeline(store_url, [{"id": "r", "text": text}], stage), llm=llm)
+    assert len(llm.calls) == stats.llm_calls == 2 and "company='MADE UP TRADING'" in llm.calls[1].messages[-1]["content"]
+    assert rows(store_url, "SELECT outcome, error FROM llm_calls ORDER BY id") == [("repair", "ungrounded"), ("ok", None)]
+    assert sorted(rows(store_url, "SELECT path, match FROM field_spans")) == [("company", "exact"), ("total", "number")]
+    again = FakeLLM(invents_first)
+    stats = await run_pipeline(pipeline(store_url, [{"id": "r", "text": text}], stage), llm=again)
+    assert len(again.calls) == stats.results_written == 0
+    # reask decides answers, so it is in the fingerprint; flag and quarantine only check them
+    keys = {g: Pipeline("p", ListSource([]), [Extract(Item, "Extract.", name="item", grounding=g)]).stages[0].spec()
+            for g in ("flag", "quarantine", "reask")}
+    assert keys["flag"] == keys["quarantine"] != keys["reask"]
+
+
+async def test_calibration_on_the_golden_set_is_measured_stored_and_drawn(tmp_path: Path, store_url: str) -> None:
+    """A simulated extractor whose confidence is calibrated by construction: a value given
+    probability p is right with probability p. The eval must find an ECE near 0, and one that
+    always says 0.95 while right 60% of the time must show a gap near 0.35."""
+    rng = random.Random(7)
+    golden = [{"doc_key": f"g{i}", "tenant": "acme", "content": f"SHOP {i}\nTOTAL {i}.50",
+               "expected": {"company": f"SHOP {i}", "total": i + 0.5}} for i in range(400)]
+    sureness = {e["content"]: {"company": rng.uniform(0.05, 1.0), "total": rng.uniform(0.05, 1.0)} for e in golden}
+    right = {(c, f): rng.random() < p for c, fields in sureness.items() for f, p in fields.items()}
+
+    def answer(request: LLMRequest) -> dict[str, Any]:
+        text = request.messages[-1]["content"]
+        shop, total = text.split("\n")
+        return {"company": shop if right[(text, "company")] else "WRONG",
+                "total": float(total.split()[1]) if right[(text, "total")] else 0.0}
+
+    def probability(request: LLMRequest, path: str) -> float:
+        return sureness[request.messages[-1]["content"]][path]
+
+    engine = create_engine(store_url)
+    import_golden(engine, "conf", "item", golden)
+    stage = Extract(Item, "Extract.", name="item", grounding="off")
+    (run,) = await evaluate(engine, pipeline(store_url, [], stage), FakeLLM(answer, logprobs=value_logprobs(probability)))
+    calibrated = run["details"]["calibration"]
+    print(f"\ncalibrated simulator: ECE {calibrated['ece']} over {calibrated['pairs']} values")
+    assert calibrated["pairs"] == 800 and calibrated["sources"] == {"logprob": 800}
+    assert calibrated["ece"] <= 0.06
+
+    (over,) = await evaluate(engine, pipeline(store_url, [], stage),
+                             FakeLLM(answer, model_id="overconfident", logprobs=value_logprobs(lambda r, p: 0.95)))
+    share = sum(right.values()) / len(right)
+    assert math.isclose(over["details"]["calibration"]["ece"], abs(0.95 - share), abs_tol=1e-3)
+
+    page = write_report(engine, tmp_path / "report").read_text()
+    section = page.split('<section id="grounding">')[1].split("</section>")[0]
+    assert section.count("<svg") == 1 and section.count("<circle") >= 2 and "overconfident" in section
+    assert f"{over['details']['calibration']['ece']:.3f}" in section
+
+
+async def test_openai_logprobs_on_the_wire_as_the_official_client_reads_them(sqlite_url: str) -> None:
+    with FaultServer() as server:
+        official = OpenAI(base_url=server.url, api_key="test").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "SHOP 1\nTOTAL 1.50"}], logprobs=True,
+            response_format={"type": "json_schema", "json_schema": {"name": "output", "schema": Item.model_json_schema()}})
+        pieces = official.choices[0].logprobs.content
+        assert "".join(p.token for p in pieces) == official.choices[0].message.content
+        assert all(math.isclose(p.logprob, math.log(0.9)) for p in pieces)
+        llm = OpenAICompatibleLLM(server.url, "m", api_key="test", logprobs=True)
+        await run_pipeline(pipeline(sqlite_url, [{"id": "r", "text": "SHOP 1\nTOTAL 1.50"}],
+                                    Extract(Item, "Extract.", name="item")), llm=llm)
+        await llm.aclose()
+    confidences = dict(rows(sqlite_url, "SELECT path, confidence FROM field_spans"))
+    assert set(confidences) == {"company", "total"}
+    assert all(0 < c < 1 for c in confidences.values())  # a few four-character tokens of p = 0.9 each
+
+
+async def test_eval_answers_a_long_golden_document_in_chunks_as_a_run_does(sqlite_url: str) -> None:
+    document = "\n\n".join(blocks(12))
+    engine = create_engine(sqlite_url)
+    import_golden(engine, "conf", "bundle", [{"doc_key": "g", "tenant": "acme", "content": document,
+                                             "expected": {"vendor": "ACME"}}])
+    llm = FakeLLM(reader)
+    (run,) = await evaluate(engine, pipeline(sqlite_url, [], bundle_stage()), llm)
+    assert len(llm.calls) > 3 and all(len(r.messages[-1]["content"]) < len(document) / 3 for r in llm.calls)
+    assert run["accuracy"] == 1.0 and run["failed"] == 0
+    # every chunk saw the vendor line and said ACME: the merged vendor's confidence is their agreement
+    assert run["details"]["calibration"]["sources"] == {"agreement": 1}

@@ -1,0 +1,100 @@
+"""Per-field confidence from token log-probabilities (etl.confidence), against a reference that
+writes the JSON itself and so knows where every value is; calibration's arithmetic."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from etl.confidence import calibration, from_logprobs, value_ranges
+
+scalars = st.one_of(st.text(max_size=8), st.integers(-10**6, 10**6), st.floats(-1e6, 1e6, allow_nan=False),
+                    st.booleans(), st.none())
+documents = st.recursive(scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner, max_size=3)), max_leaves=10)
+
+
+def write(value: Any, path: str, out: list[str], spans: dict[str, tuple[int, int]], space: str) -> None:
+    """JSON text of ``value`` into ``out``, recording each scalar's (start, end) under its path."""
+    at = sum(map(len, out))
+    if isinstance(value, dict):
+        out.append("{" + space)
+        for number, (key, item) in enumerate(value.items()):
+            out.append(("," + space if number else "") + json.dumps(key) + ":" + space)
+            write(item, f"{path}.{key}" if path else key, out, spans, space)
+        out.append(space + "}")
+    elif isinstance(value, list):
+        out.append("[")
+        for number, item in enumerate(value):
+            out.append("," + space if number else "")
+            write(item, f"{path}[{number}]", out, spans, space)
+        out.append("]")
+    else:
+        text = json.dumps(value)
+        out.append(text)
+        spans[path] = (at, at + len(text))
+
+
+@given(document=st.dictionaries(st.text(max_size=5), documents, min_size=1, max_size=4),
+       cuts=st.lists(st.integers(0, 400), max_size=40), seed=st.integers(0, 10**6), space=st.sampled_from(["", " ", "\n  "]))
+@settings(max_examples=300, deadline=None)
+def test_each_value_gets_the_product_of_the_tokens_that_spell_it(document: dict[str, Any], cuts: list[int],
+                                                                  seed: int, space: str) -> None:
+    out: list[str] = []
+    spans: dict[str, tuple[int, int]] = {}
+    write(document, "", out, spans, space)
+    text = "".join(out)
+    if len({*spans}) != len(spans) or any("." in k or "[" in k for k in _keys(document)):
+        return  # keys that look like paths name two values alike: not what a schema's fields do
+    assert value_ranges(text) == spans
+    bounds = sorted({0, len(text), *(c for c in cuts if c < len(text))})
+    tokens = [(text[a:b], -((seed * (i + 1)) % 97) / 50) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    got = from_logprobs(text, tokens)
+    assert set(got) == set(spans)
+    for path, (start, end) in spans.items():
+        if text[start] == '"' and end - start > 2:  # a string: the characters inside its quotes
+            start, end = start + 1, end - 1
+        covering, at = 0.0, 0
+        for piece, logprob in tokens:
+            if at < end and at + len(piece) > start:
+                covering += logprob
+            at += len(piece)
+        assert math.isclose(got[path][0], math.exp(covering), rel_tol=1e-9) and got[path][1] == "logprob"
+
+
+def _keys(value: Any) -> list[str]:
+    if isinstance(value, dict):
+        return [*value, *(k for v in value.values() for k in _keys(v))]
+    if isinstance(value, list):
+        return [k for v in value for k in _keys(v)]
+    return []
+
+
+def test_pieces_that_do_not_spell_the_answer_claim_nothing() -> None:
+    text = '{"total": 12.5}'
+    assert from_logprobs(text, [("{\"tot", -0.1), ("al\": 99}", -0.1)]) == {}
+    assert from_logprobs(text, [(text, float("nan"))]) == {}
+    assert from_logprobs(text, ()) == {}
+    assert from_logprobs("prose, not JSON", [("prose, not JSON", 0.0)]) == {}
+    # a server that strips the leading space of the first token still lines up
+    assert from_logprobs(text, [(" {", 0.0), ('"total": ', 0.0), ("12.5", math.log(0.25)), ("}", 0.0)]) == {
+        "total": [0.25, "logprob"]}
+    # the last token unreported: the value it would end gets no confidence, the others keep theirs
+    two = '{"a": "x", "b": 7}'
+    assert from_logprobs(two, [('{"a": ', 0.0), ('"x"', math.log(0.5)), (', "b": ', 0.0)]) == {
+        "a": [0.5, "logprob"]}
+
+
+def test_calibration_is_the_weighted_gap_between_confidence_and_accuracy() -> None:
+    pairs = [(0.95, True)] * 9 + [(0.95, False)] + [(0.25, True)] + [(0.25, False)] * 3
+    result = calibration(pairs)
+    # bin 0.9-1.0: 10 values, confidence 0.95, accuracy 0.9; bin 0.2-0.3: 4 values, 0.25 vs 0.25
+    assert result["ece"] == round(10 / 14 * 0.05, 4) and result["pairs"] == 14
+    assert [b["count"] for b in result["bins"]] == [0, 0, 4, 0, 0, 0, 0, 0, 0, 10]
+    assert calibration([(1.0, True)])["bins"][-1]["count"] == 1  # 1.0 falls in the last bin
+    assert calibration([])["ece"] is None
+    assert calibration([(float("nan"), True), (0.5, True)])["pairs"] == 1
