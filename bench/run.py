@@ -44,6 +44,19 @@ def machine() -> list[str]:
             f"- {kafka} (KRaft, single node, 127.0.0.1); PostgreSQL {pg} (127.0.0.1)"]
 
 
+def hosts(sections: dict[str, dict[str, Any]]) -> list[str]:
+    """The machine each section ran on (as recorded with its results), one block per machine."""
+    by_host: dict[tuple[str, ...], list[str]] = {}
+    for name, section in sections.items():
+        by_host.setdefault(tuple(section.get("machine") or machine()), []).append(name)
+    if len(by_host) == 1:
+        return list(next(iter(by_host)))
+    lines = []
+    for host, names in by_host.items():
+        lines += [f"{host[0]} (sections: {', '.join(names)})", *host[1:]]
+    return lines
+
+
 def fmt(v: float, unit: str) -> str:
     return f"{v:,.0f}" if unit in ("msgs/s", "bytes", "rows") else f"{v:,.1f}" if unit in ("MB", "s", "ms", "µs") else \
         f"{v:.6f}" if unit == "USD" else f"{v:.3f}"
@@ -57,7 +70,7 @@ def write(sections: dict[str, dict[str, Any]]) -> Path:
              f"`bash bench/run.sh`; sections last run: {runs}. Every figure is the median and min–max over "
              f"{RUNS} runs; ratios are against a baseline measured in the same run. The router section is "
              "not a timing benchmark: one run, its data and simulated model being deterministic.", "",
-             "## Machine", "", *machine(), "", "## Figures", "",
+             "## Machine", "", *hosts(sections), "", "## Figures", "",
              "| figure | median | min–max | unit | goal | met |", "|---|---:|---:|---|---|---|"]
     for f in figures:
         met = "" if f["met"] is None else ("yes" if f["met"] else "**no**")
@@ -86,7 +99,7 @@ def main() -> None:
         figures = SECTIONS[name]()
         (saved / f"{name}.json").write_text(json.dumps({
             "started": f"{started:%Y-%m-%d %H:%M} UTC", "minutes": (time.perf_counter() - t0) / 60,
-            "figures": figures}, indent=1))
+            "machine": machine(), "figures": figures}, indent=1))
     sections = {p.stem: json.loads(p.read_text()) for p in sorted(saved.glob("*.json"))}
     log(f"wrote {write(sections)}")
 
