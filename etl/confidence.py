@@ -17,10 +17,14 @@ a reliability diagram. Pure: text in, numbers out.
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+from etl.grounding import leaves
 
 #: A field's confidence as cached and stored: ``[probability, "logprob" | "agreement"]``.
 Confidence = dict[str, list[Any]]
@@ -99,33 +103,92 @@ def value_ranges(text: str) -> dict[str, tuple[int, int]]:
     return scanner.ranges if scanner.at == len(text) else {}
 
 
-def from_logprobs(text: str, tokens: Sequence[tuple[str, float]]) -> Confidence:
+def _answer_ranges(text: str) -> dict[str, tuple[int, int]]:
+    """:func:`value_ranges` of the answer, or of the first JSON object inside it (a fenced or
+    prose-wrapped answer, as ``Stage.parse`` reads it), in the answer's own offsets."""
+    ranges = value_ranges(text)
+    if ranges or text.strip().startswith(("{", "[")):
+        return ranges
+    decoder, start = json.JSONDecoder(), text.find("{")
+    while start != -1:
+        try:
+            value, end = decoder.raw_decode(text, start)
+        except json.JSONDecodeError:
+            start = text.find("{", start + 1)
+            continue
+        if not isinstance(value, dict):
+            return {}
+        return {path: (a + start, b + start) for path, (a, b) in value_ranges(text[start:end]).items()}
+    return {}
+
+
+def from_logprobs(text: str, tokens: Sequence[tuple[str, float]], output: Any = None) -> Confidence:
     """Each scalar's probability from the answer's tokens (``(piece, logprob)`` in order, whose
     pieces spell ``text``, or spell it with surrounding space some servers strip). Empty when the
-    pieces do not spell the text, or carry a NaN: then nothing is claimed. A value the pieces do
-    not reach to its end (a last token not reported) gets none."""
+    pieces do not spell the text, or carry a log-probability that is not a finite number: then
+    nothing is claimed. A value the pieces do not reach to its end (a last token not reported) gets
+    none. With ``output`` (the validated answer as JSON data), only the values it holds unchanged at
+    the same path keep one: a validator that reorders, drops or rewrites a value, or a key the
+    schema does not keep, must not carry the raw answer's confidence to another value."""
     spelled = "".join(piece for piece, _ in tokens)
     core = text.strip()
     found = spelled.find(core) if core else -1
     if found < 0 and spelled.strip() and core.startswith(spelled.strip()):  # the last tokens not reported
         found = len(spelled) - len(spelled.lstrip())
-    if found < 0 or any(logprob != logprob for _, logprob in tokens):
+    if found < 0 or not all(math.isfinite(logprob) for _, logprob in tokens):
         return {}
     at = (len(text) - len(text.lstrip())) - found  # where the first piece starts, in text's offsets
-    spans = []
+    begins, stops, logprobs = [], [], []
     for piece, logprob in tokens:
-        spans.append((at, at + len(piece), min(0.0, logprob)))
+        begins.append(at)
         at += len(piece)
-    reach = at
+        stops.append(at)
+        logprobs.append(min(0.0, logprob))
+    kept = None if output is None else dict(leaves(output))
     out: Confidence = {}
-    for path, (start, end) in value_ranges(text).items():
-        if end > reach:
+    for path, (start, end) in _answer_ranges(text).items():
+        if end > at:
+            continue
+        if kept is not None and (path not in kept or not _same(kept[path], text[start:end])):
             continue
         if text[start] == '"' and end - start > 2:  # a string's own characters, not the quotes' choice of
             start, end = start + 1, end - 1  # spacing around them (a token ' "' or '"}' is formatting)
-        total = sum(logprob for begin, stop, logprob in spans if begin < end and stop > start)
+        # the tokens overlapping [start, end): those ending after start and beginning before end
+        total = sum(logprobs[bisect_right(stops, start):bisect_left(begins, end)])
         out[path] = [math.exp(total), "logprob"]
     return out
+
+
+def _same(validated: Any, raw: str) -> bool:
+    """Whether the validated value is the one the answer spelled at that place: the same text (up
+    to surrounding space), or the same number however written (``12.50``, ``"12.5"`` as a Decimal)."""
+    value = json.loads(raw)
+    if isinstance(value, bool) or isinstance(validated, bool):
+        return False  # not a value leaves() yields
+    if isinstance(value, str) and isinstance(validated, str):
+        return value.strip() == validated.strip()
+    try:
+        return math.isclose(float(value), float(validated), rel_tol=1e-12, abs_tol=0.0)
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
+def pieces_from_bytes(tokens: Iterable[tuple[bytes, float]]) -> tuple[tuple[str, float], ...]:
+    """``(piece, logprob)`` from tokens given as bytes: one incremental UTF-8 decoder over them, so
+    a character split across tokens lands on the token that completes it, carrying the
+    log-probabilities of the tokens that began it (a value's confidence counts every token of it)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
+    out, pending = [], 0.0
+    for raw, logprob in tokens:
+        piece = decoder.decode(raw)
+        if not piece:
+            pending += logprob
+            continue
+        out.append((piece, logprob + pending))
+        pending = 0.0
+    if pending:
+        out.append(("", pending))
+    return tuple(out)
 
 
 def calibration(pairs: Iterable[tuple[float, bool]], bins: int = 10) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from connectors.store.base import (
     TypedTable,
     Version,
 )
-from connectors.store.sql import SqlStore, is_transient, make_engine, upgrade
+from connectors.store.sql import SqlStore, behind, is_transient, make_engine, upgrade
 
 __all__ = ["Batch", "CacheEntry", "DocRef", "DocumentOutcome", "Lookup", "SqlStore", "Store", "TypedTable", "Version",
-           "is_transient", "make_engine", "upgrade"]
+           "behind", "is_transient", "make_engine", "upgrade"]

@@ -98,6 +98,20 @@ def upgrade(engine: Engine, typed_tables: Sequence[TypedTable] = ()) -> None:
     SqlStore(engine.url.render_as_string(hide_password=False), engine=engine).upgrade(typed_tables)
 
 
+def behind(engine: Engine) -> str | None:
+    """Why the store is older than this code (its revision and the head's), or None when it is at
+    head or was never migrated (then there is nothing to read yet)."""
+    from alembic.runtime.migration import MigrationContext  # noqa: PLC0415
+    from alembic.script import ScriptDirectory  # noqa: PLC0415
+
+    with engine.connect() as conn:
+        current = MigrationContext.configure(conn).get_current_revision()
+    head = ScriptDirectory(str(MIGRATIONS)).get_current_head()
+    if current is None or current == head:
+        return None
+    return f"the store's tables are at revision {current}, this etl reads revision {head}"
+
+
 #: Any constant: the PostgreSQL advisory lock that serialises workers migrating at the same time.
 _MIGRATION_LOCK = 0x1DE3E7
 

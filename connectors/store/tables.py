@@ -41,6 +41,8 @@ metadata = MetaData()
 
 #: JSON on SQLite, JSONB on PostgreSQL (indexable, and what analysts expect).
 Json = JSON().with_variant(JSONB(), "postgresql")
+#: JSON where Python's None is SQL NULL (``WHERE confidence IS NULL`` finds it), not JSON ``null``.
+NullableJson = JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")
 Id = BigInteger().with_variant(Integer(), "sqlite")  # SQLite autoincrements INTEGER PRIMARY KEY only
 
 
@@ -108,7 +110,7 @@ llm_cache = Table(
     Column("cost", Float, nullable=False),
     Column("structured", String(20)),
     Column("system_fingerprint", String(200)),
-    Column("confidence", Json),
+    Column("confidence", NullableJson),
     _now(),
 )
 

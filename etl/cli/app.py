@@ -200,7 +200,7 @@ def status(
     """Documents, results per stage, long documents' chunks, grounded values, LLM calls and spend,
     dead letters, in-flight claims, stored positions (and lag, for a Kafka pipeline given as a file
     or module)."""
-    from connectors.store import make_engine  # noqa: PLC0415
+    from connectors.store import behind, make_engine  # noqa: PLC0415
     from connectors.store.report import status as report  # noqa: PLC0415
 
     settings = Settings()
@@ -217,7 +217,12 @@ def status(
         except EtlError as exc:
             _fail(str(exc))
     try:
-        found = report(make_engine(url), name, ends)
+        engine = make_engine(url)
+        if (older := behind(engine)) is not None:
+            _fail(f"{_safe(url)}: {older}: run `etl db upgrade --db URL` first")
+        found = report(engine, name, ends)
+    except typer.Exit:
+        raise
     except Exception as exc:  # noqa: BLE001 - any database failure is one line for the user
         _fail(f"cannot read {_safe(url)}: {type(exc).__name__}: {str(exc).splitlines()[0]}")
     if not any(found.values()):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dedup import canonical_json
+from etl.confidence import pieces_from_bytes
 from etl.errors import ConfigError, ContextOverflow, LLMError
 from etl.llm.base import LLM, LLMRequest, LLMResponse
 
@@ -62,14 +63,10 @@ class _TokenLogprobs:
         return scores
 
     def pieces(self, detokenize: Any) -> tuple[tuple[str, float], ...]:
-        """``(piece, logprob)`` per chosen token; pieces decoded from the growing prefix, so a
-        character split across tokens lands on the token that completes it."""
-        out, before = [], ""
-        for number, logprob in enumerate(self.logprobs, start=1):
-            text = detokenize(self.tokens[:number]).decode("utf-8", errors="ignore")
-            out.append((text[len(before):], logprob))
-            before = text
-        return tuple(out)
+        """``(piece, logprob)`` per chosen token, from each token's bytes (linear in the answer's
+        length; pieces that do not spell the answer claim no confidence later)."""
+        return pieces_from_bytes((detokenize([token]), logprob)
+                                 for token, logprob in zip(self.tokens, self.logprobs, strict=True))
 
 
 class LocalLLM(LLM):

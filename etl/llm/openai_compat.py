@@ -18,6 +18,7 @@ from typing import Any, Literal
 import httpx
 from pydantic import SecretStr
 
+from etl.confidence import pieces_from_bytes
 from etl.errors import ContextOverflow, LLMError, LLMTimeout, RateLimited, TransientLLMError
 from etl.llm.base import LLM, LLMRequest, LLMResponse
 from etl.llm.ratelimit import RateLimit
@@ -59,6 +60,8 @@ class OpenAICompatibleLLM(LLM):
         self.structured = structured
         self.logprobs = logprobs
         self.params = {"temperature": temperature, "structured": structured}
+        if logprobs:  # it changes what is cached (a confidence per value), so it is in the fingerprint
+            self.params["logprobs"] = True
         self.price_per_mtok = price_per_mtok
         key = api_key.get_secret_value() if isinstance(api_key, SecretStr) else api_key
         self.api_key = SecretStr(key or "")
@@ -136,14 +139,21 @@ class OpenAICompatibleLLM(LLM):
 
 def _token_logprobs(choice: dict[str, Any]) -> tuple[tuple[str, float], ...]:
     """``choices[0].logprobs.content[]``'s ``(token, logprob)``; nothing where it is missing or
-    malformed (a confidence is never guessed from a shape we do not know)."""
+    malformed (a confidence is never guessed from a shape we do not know). Where every item gives
+    its ``bytes``, pieces are decoded from them, so a character split across tokens (which each
+    ``token`` string spells as a fragment) lands on the token that completes it."""
     content = (choice.get("logprobs") or {}).get("content") if isinstance(choice.get("logprobs"), dict) else None
     if not isinstance(content, list):
         return ()
-    tokens = []
+    tokens, raw = [], []
     for item in content:
         token, logprob = (item.get("token"), item.get("logprob")) if isinstance(item, dict) else (None, None)
         if not isinstance(token, str) or isinstance(logprob, bool) or not isinstance(logprob, (int, float)):
             return ()
         tokens.append((token, float(logprob)))
+        given = item.get("bytes")
+        raw.append(bytes(given) if isinstance(given, list) and all(
+            isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 256 for b in given) else None)
+    if tokens and all(b is not None for b in raw):
+        return pieces_from_bytes((b, logprob) for b, (_, logprob) in zip(raw, tokens, strict=True))
     return tuple(tokens)

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pydantic import BaseModel
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
@@ -165,6 +166,7 @@ class ModelCalls:
         calls: list[CallRecord] = []
         started = time.perf_counter()
         repairs_left = self.repairs
+        kept: tuple[BaseModel, LLMResponse, int] | None = None  # a valid answer re-asked for grounding
         try:
             while True:
                 if self.budgets is not None and not await self.budgets.allows(document.tenant):
@@ -191,23 +193,29 @@ class ModelCalls:
                     raise
                 if repairs_left > 0 and (problem := stage.reask(output, document)) is not None:
                     repairs_left -= 1  # valid, but not all of it is in the text: asked again, once per repair
+                    kept = (output, response, len(calls))
                     calls.append(attempt("repair", error="ungrounded"))
                     request = stage.repair(request, response.text, problem)
                     continue
                 calls.append(attempt("ok"))
                 break
-        except EtlError as exc:
-            raise StageFailed(exc, calls) from exc
-        except Exception as exc:  # a validator or a backend raised something of its own
-            raise StageFailed(StageError(f"{type(exc).__name__}: {str(exc)[:300]}"), calls) from exc
+        except Exception as exc:
+            if kept is None:
+                error = exc if isinstance(exc, EtlError) else StageError(  # a validator or a backend's own
+                    f"{type(exc).__name__}: {str(exc)[:300]}")
+                raise StageFailed(error, calls) from exc
+            # a re-ask for grounding that failed in any way keeps the valid answer it was to improve
+            output, response, used = kept
+            calls[used] = calls[used].model_copy(update={"outcome": "ok"})
         spent_in = sum(c.tokens_in for c in calls)
         spent_out = sum(c.tokens_out for c in calls)
+        data = output.model_dump(mode="json")
         entry = CacheEntry(
             cache_key=key, tenant=document.tenant, stage=stage.name, fingerprint=plan.fingerprint,
-            output=output.model_dump(mode="json"), model=response.model, tokens_in=spent_in, tokens_out=spent_out,
+            output=data, model=response.model, tokens_in=spent_in, tokens_out=spent_out,
             cost=sum(c.cost for c in calls), structured=response.extra.get("structured"),
             system_fingerprint=response.extra.get("system_fingerprint"),
-            confidence=from_logprobs(response.text, response.token_logprobs) or None,
+            confidence=from_logprobs(response.text, response.token_logprobs, data) or None,
         )
         return Computed(entry=entry, calls=calls, attempts=len(calls),
                         latency_ms=(time.perf_counter() - started) * 1000)

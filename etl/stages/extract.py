@@ -35,7 +35,9 @@ class Extract(Stage):
     field (``merge``, see ``etl.stages.merge``) into the document's one result. ``grounding`` says
     what becomes of a value the document's text does not hold (``etl.grounding``): ``flag`` keeps
     it and marks its span ``none``, ``reask`` asks again (using a repair, ``repairs=`` of the run)
-    naming the values not found and keeps and flags what is still not found, ``quarantine`` makes
+    naming the values not found and keeps and flags what is still not found (a re-asked answer that
+    fails, invalid or refused or not delivered, leaves the first valid one; with ``repairs=0``
+    nothing is re-asked and it acts as ``flag``), ``quarantine`` makes
     the document a dead letter (``ungrounded``), ``off`` looks for no span. Spans are stored in
     ``field_spans``. Only ``reask`` changes answers, so only it is in the fingerprint; a change
     between the others applies to documents answered after it.

@@ -74,6 +74,26 @@ def test_db_upgrade_and_status_on_empty_store(sqlite_url: str) -> None:
     assert len(counts(sqlite_url)) == 6
 
 
+def test_status_on_a_store_older_than_the_code_says_to_upgrade(sqlite_url: str) -> None:
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import create_engine
+
+    from connectors.store.sql import MIGRATIONS
+
+    assert invoke("db", "upgrade", url=sqlite_url).exit_code == 0  # type: ignore[attr-defined]
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    with create_engine(sqlite_url).begin() as conn:  # a store an older etl made: the newest columns missing
+        config.attributes["connection"] = conn
+        command.downgrade(config, "-1")
+    result = invoke("status", url=sqlite_url)
+    assert result.exit_code == 1 and "etl db upgrade" in result.output, result.output  # type: ignore[attr-defined]
+    assert "Traceback" not in result.output  # type: ignore[attr-defined]
+    assert invoke("db", "upgrade", url=sqlite_url).exit_code == 0  # type: ignore[attr-defined]
+    assert "nothing processed yet" in invoke("status", url=sqlite_url).output  # type: ignore[attr-defined]
+
+
 def test_dlq_list_and_replay_after_a_fix(tmp_path: Path, sqlite_url: str) -> None:
     """A prompt fix: the model answers nonsense for prompts without "JSON please"; after the fix
     the quarantined documents replay into results, once."""

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from openai import OpenAI
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
 from sqlalchemy import create_engine
 from typer.testing import CliRunner
 
@@ -177,6 +177,59 @@ async def test_reask_names_the_values_the_text_does_not_hold_and_keeps_the_groun
     keys = {g: Pipeline("p", ListSource([]), [Extract(Item, "Extract.", name="item", grounding=g)]).stages[0].spec()
             for g in ("flag", "quarantine", "reask")}
     assert keys["flag"] == keys["quarantine"] != keys["reask"]
+
+
+async def test_a_failed_reask_keeps_the_valid_answer_it_was_to_improve(store_url: str) -> None:
+    """Found in review: a re-asked answer that was prose made a dead letter of a document whose
+    first answer was valid (and paid for). The first answer stands, its ungrounded value flagged."""
+    text = "SHOP NUMBER 1 SDN BHD\nTOTAL 12.50"
+    def prose_when_asked_again(request: LLMRequest) -> Any:
+        if len(request.messages) > 2:
+            return "Sorry, I cannot find a company in this text."
+        return {"company": "MADE UP TRADING", "total": 12.5}
+    stage = Extract(Item, "Extract.", name="item", grounding="reask")
+    llm = FakeLLM(prose_when_asked_again)
+    stats = await run_pipeline(pipeline(store_url, [{"id": "r", "text": text}], stage), llm=llm)
+    assert len(llm.calls) == stats.llm_calls == 2 and stats.results_written == 1 and stats.dead_letters == 0
+    assert rows(store_url, "SELECT outcome, error FROM llm_calls ORDER BY id") == [
+        ("ok", "ungrounded"), ("failed", "schema_invalid")]
+    assert sorted(rows(store_url, "SELECT path, match FROM field_spans")) == [("company", "none"), ("total", "number")]
+    again = FakeLLM(prose_when_asked_again)
+    stats = await run_pipeline(pipeline(store_url, [{"id": "r", "text": text}], stage), llm=again)
+    assert len(again.calls) == stats.results_written == 0
+
+
+class Ordered(BaseModel):
+    receipts: list[Item]
+
+    @field_validator("receipts")
+    @classmethod
+    def by_total(cls, receipts: list[Item]) -> list[Item]:
+        return sorted(receipts, key=lambda item: item.total or 0.0)
+
+
+async def test_confidence_follows_the_validated_value_not_the_raw_answer_s_place(store_url: str) -> None:
+    """Found in review: confidence was read from the raw answer by path, so a key the schema drops
+    (one PostgreSQL's JSONB refuses: NUL, a lone surrogate) made a paid answer a dead letter, and a
+    validator that reorders a list gave each item another item's confidence."""
+    text = "SHOP B\nTOTAL 9.00\nSHOP A\nTOTAL 1.00"
+    def answer(request: LLMRequest) -> dict[str, Any]:
+        return {"receipts": [{"company": "SHOP B", "total": 9.0}, {"company": "SHOP A", "total": 1.0}],
+                "x\u0000y": 1, "\ud800": "lone"}
+    def sure(request: LLMRequest, path: str) -> float:
+        return 0.8 if path.startswith("receipts[0]") else 0.3  # the raw answer's first item is the sure one
+    stage = Extract(Ordered, "Extract.", name="ordered")
+    llm = FakeLLM(answer, logprobs=value_logprobs(sure))
+    stats = await run_pipeline(pipeline(store_url, [{"id": "o", "text": text}], stage), llm=llm)
+    assert stats.results_written == 1 and stats.dead_letters == 0
+    got = dict(rows(store_url, "SELECT path, confidence FROM field_spans"))
+    # stored sorted: SHOP A first; its values moved, so the raw answer's confidences do not follow
+    # them to the other item, and the keys the schema dropped are nowhere
+    assert rows(store_url, "SELECT value FROM field_spans WHERE path = 'receipts[0].company'") == [("SHOP A",)]
+    assert got == {"receipts[0].company": None, "receipts[0].total": None,
+                   "receipts[1].company": None, "receipts[1].total": None}
+    (cached,) = rows(store_url, "SELECT confidence FROM llm_cache")
+    assert cached[0] is None
 
 
 async def test_calibration_on_the_golden_set_is_measured_stored_and_drawn(tmp_path: Path, store_url: str) -> None:

@@ -98,3 +98,53 @@ def test_calibration_is_the_weighted_gap_between_confidence_and_accuracy() -> No
     assert calibration([(1.0, True)])["bins"][-1]["count"] == 1  # 1.0 falls in the last bin
     assert calibration([])["ece"] is None
     assert calibration([(float("nan"), True), (0.5, True)])["pairs"] == 1
+
+
+def test_openai_pieces_come_from_bytes_so_a_character_split_across_tokens_keeps_its_confidence() -> None:
+    """Found in review: OpenAI spells a token that ends inside a UTF-8 character as a fragment
+    (``bytes:\\xe6\\x9d``), so the token strings do not spell the answer and every value of a
+    non-ASCII answer lost its confidence. Each item's ``bytes`` do spell it."""
+    from etl.llm.openai_compat import _token_logprobs
+
+    text = '{"company": "東京 SHOP", "total": 3}'
+    raw = text.encode()
+    split = raw.index("東".encode()) + 1  # one byte into the three of 東
+    cuts = [0, split - 1, split, split + 4, len(raw) - 3, len(raw)]
+    items = []
+    for a, b in zip(cuts, cuts[1:]):
+        piece = raw[a:b]
+        try:
+            token = piece.decode()
+        except UnicodeDecodeError:
+            token = "bytes:" + "".join(f"\\x{byte:02x}" for byte in piece)
+        # the token that begins 東 and the one that completes it: both are the value's
+        items.append({"token": token, "logprob": math.log(0.5) if a in (split - 1, split) else 0.0, "bytes": list(piece)})
+    choice = {"logprobs": {"content": items}}
+    pieces = _token_logprobs(choice)
+    assert "".join(p for p, _ in pieces) == text
+    assert from_logprobs(text, pieces) == {"company": [0.25, "logprob"], "total": [1.0, "logprob"]}
+    # without bytes the fragments do not spell the answer: nothing is claimed, nothing is wrong
+    for item in items:
+        del item["bytes"]
+    assert from_logprobs(text, _token_logprobs(choice)) == {}
+
+
+def test_a_log_probability_that_is_not_a_finite_number_claims_nothing() -> None:
+    text = '{"total": 12.5}'
+    assert from_logprobs(text, [(text, float("inf"))]) == {}
+    assert from_logprobs(text, [(text, float("-inf"))]) == {}
+    assert from_logprobs(text, [(text, 0.3)]) == {"total": [1.0, "logprob"]}  # above 0 is read as certain
+
+
+def test_a_fenced_answer_s_values_get_their_confidence() -> None:
+    text = '```json\n{"total": 12.5}\n```'
+    assert from_logprobs(text, [("```json\n{", 0.0), ('"total": ', 0.0), ("12.5", math.log(0.25)), ("}\n```", 0.0)]) == {
+        "total": [0.25, "logprob"]}
+
+
+def test_only_values_the_validated_answer_holds_unchanged_keep_a_confidence() -> None:
+    text = '{"a": "x ", "b": 12.50, "c": "7", "gone\\u0000": 1}'
+    tokens = [(text, math.log(0.5))]
+    assert set(from_logprobs(text, tokens)) == {"a", "b", "c", "gone\x00"}
+    assert set(from_logprobs(text, tokens, {"a": "x", "b": "12.5", "c": 7})) == {"a", "b", "c"}
+    assert set(from_logprobs(text, tokens, {"a": "y", "b": 12.6, "c": "8"})) == set()
