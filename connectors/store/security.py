@@ -8,6 +8,11 @@ condition). Views run with the caller's rights (``security_invoker``). Nothing a
 decides what she may read: ``current_user`` changes only through ``SET ROLE`` to a role she is a
 member of, which reads with that role's grants (a group role has none).
 
+Reviewers (``etl review serve``) are analysts who may also write verdicts: the group role
+``etl_reviewer`` (a member of ``etl_analyst``, made by ``etl review init``) may update a review
+item's verdict columns and add to or correct the golden set, only for the tenants granted to the
+login, and only in its own name: the write policies check ``reviewer = current_user``.
+
 The migrations need no cluster-wide rights: creating the group role ``etl_analyst`` is an admin's
 step (``etl analyst init`` as a user with CREATEROLE, or ``CREATE ROLE etl_analyst NOLOGIN``), and
 tables grant it read access whenever it exists — at creation, and once more by ``etl analyst init``.
@@ -18,6 +23,11 @@ from __future__ import annotations
 from sqlalchemy import Connection, text
 
 ANALYST_ROLE = "etl_analyst"
+REVIEWER_ROLE = "etl_reviewer"
+#: What a reviewer may write: review items' verdict columns, golden examples' (by column).
+REVIEW_UPDATES = ("status", "verdict", "corrected", "reviewer", "reviewed_at")
+GOLDEN_INSERTS = ("pipeline", "tenant", "stage", "doc_key", "content", "expected", "origin", "reviewer", "reviewed_at")
+GOLDEN_UPDATES = ("content", "expected", "origin", "reviewer", "reviewed_at")
 GRANTS_TABLE = "analyst_grants"
 
 
@@ -33,7 +43,7 @@ TENANT_POLICY = (
 
 
 def analyst_role_exists(conn: Connection) -> bool:
-    return conn.execute(text("SELECT 1 FROM pg_roles WHERE rolname = :r"), {"r": ANALYST_ROLE}).first() is not None
+    return role_exists(conn, ANALYST_ROLE)
 
 
 def protect_tenant_table(conn: Connection, table: str) -> None:
@@ -45,6 +55,57 @@ def protect_tenant_table(conn: Connection, table: str) -> None:
     conn.exec_driver_sql(f"CREATE POLICY tenant_isolation ON {name} FOR SELECT USING ({TENANT_POLICY})")
     if analyst_role_exists(conn):
         conn.exec_driver_sql(f"GRANT SELECT ON {name} TO {ANALYST_ROLE}")
+
+
+def protect_review_writes(conn: Connection) -> None:
+    """Write policies for reviewers: a verdict or a golden example of a granted tenant, in the
+    writer's own name (the owner, who bypasses the policies, writes as before)."""
+    mine = f"({TENANT_POLICY}) AND reviewer = current_user::text"
+    conn.exec_driver_sql("DROP POLICY IF EXISTS review_verdicts ON review_queue")
+    conn.exec_driver_sql(f"CREATE POLICY review_verdicts ON review_queue FOR UPDATE USING ({TENANT_POLICY}) "
+                         f"WITH CHECK ({mine} AND status = 'reviewed')")
+    for command in ("INSERT", "UPDATE"):
+        name = f"review_golden_{command.lower()}"
+        conn.exec_driver_sql(f"DROP POLICY IF EXISTS {name} ON golden_examples")
+        using = f" USING ({TENANT_POLICY})" if command == "UPDATE" else ""
+        conn.exec_driver_sql(f"CREATE POLICY {name} ON golden_examples FOR {command}{using} "
+                             f"WITH CHECK ({mine} AND origin = 'review')")
+
+
+def role_exists(conn: Connection, role: str) -> bool:
+    return conn.execute(text("SELECT 1 FROM pg_roles WHERE rolname = :r"), {"r": role}).first() is not None
+
+
+def init_reviewers(conn: Connection) -> bool:
+    """Creates the reviewer group role if missing (needs CREATEROLE), a member of the analyst role
+    (made too, if missing), and grants it the review writes; returns whether it was created here."""
+    init_analysts(conn)
+    created = False
+    if not role_exists(conn, REVIEWER_ROLE):
+        conn.exec_driver_sql(f"CREATE ROLE {REVIEWER_ROLE} NOLOGIN IN ROLE {ANALYST_ROLE}")
+        created = True
+    grant_review_writes(conn)
+    return created
+
+
+def grant_review_writes(conn: Connection) -> None:
+    """The reviewer role's column grants (the tables' owner may make them; no cluster-wide right)."""
+    conn.exec_driver_sql(f"GRANT UPDATE ({', '.join(REVIEW_UPDATES)}) ON review_queue TO {REVIEWER_ROLE}")
+    conn.exec_driver_sql(f"GRANT INSERT ({', '.join(GOLDEN_INSERTS)}), UPDATE ({', '.join(GOLDEN_UPDATES)}) "
+                         f"ON golden_examples TO {REVIEWER_ROLE}")
+    sequence = conn.execute(text("SELECT pg_get_serial_sequence('golden_examples', 'id')")).scalar()
+    if sequence:
+        conn.exec_driver_sql(f"GRANT USAGE ON SEQUENCE {sequence} TO {REVIEWER_ROLE}")
+
+
+def is_reviewer(conn: Connection, role: str) -> bool:
+    """Whether ``role`` may write verdicts (a member of the reviewer group, or the tables' owner)."""
+    if conn.execute(text("SELECT tableowner = :r FROM pg_tables WHERE tablename = 'review_queue' "
+                         "AND schemaname = current_schema()"), {"r": role}).scalar():
+        return True
+    if not role_exists(conn, REVIEWER_ROLE):
+        return False
+    return bool(conn.execute(text("SELECT pg_has_role(:r, :g, 'USAGE')"), {"r": role, "g": REVIEWER_ROLE}).scalar())
 
 
 def protect_grants(conn: Connection) -> None:

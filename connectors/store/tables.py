@@ -200,6 +200,8 @@ golden_examples = Table(
     Column("content", Text, nullable=False),
     Column("expected", Json, nullable=False),
     Column("origin", String(20), nullable=False, server_default="import"),  # import | review
+    Column("reviewer", String(200)),  # who confirmed or corrected it (review), null when imported
+    Column("reviewed_at", DateTime(timezone=True)),
     _now(),
     UniqueConstraint("pipeline", "tenant", "stage", "doc_key", name="uq_golden_examples"),
 )

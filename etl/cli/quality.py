@@ -204,6 +204,79 @@ def review_import(file: Annotated[Path, typer.Argument(help="The exported JSONL 
     out.print(f"{recorded} verdict(s) recorded; {promoted} promoted to the golden set{skipped}")
 
 
+@review_app.command("serve")
+def review_serve(pipeline: PipelineArg,
+                 host: Annotated[str, typer.Option(help="Address to listen on (another than 127.0.0.1 opens it to "
+                                                         "the network: put TLS in front).")] = "127.0.0.1",
+                 port: Annotated[int, typer.Option(help="Port (0: any free one, printed).")] = 8765,
+                 allow_host: Annotated[list[str] | None, typer.Option(
+                     help="A Host name the app answers besides the address (e.g. review.example.com).")] = None,
+                 db: DbOption = None) -> None:
+    """The review queue in a browser: each item's text with its values' spans highlighted, accept or
+    correct by keyboard into the golden set. PostgreSQL: reviewers sign in with their own login (in
+    etl_reviewer: `etl review init`) and see the tenants `etl analyst grant` gave it. SQLite: the one
+    local user, by the link printed here."""
+    import secrets  # noqa: PLC0415
+    import socket  # noqa: PLC0415
+
+    import uvicorn  # noqa: PLC0415
+    from sqlalchemy.engine import make_url  # noqa: PLC0415
+
+    from etl.pipeline import load_pipeline  # noqa: PLC0415
+    from etl.web.app import create_app  # noqa: PLC0415
+
+    from etl.runtime.wiring import database_url  # noqa: PLC0415
+
+    try:
+        loaded = load_pipeline(pipeline)
+    except EtlError as exc:
+        fail(str(exc))
+    location = make_url(db or database_url(loaded, Settings()))
+    if location.get_backend_name() == "sqlite" and not Path(location.database or "").is_file():
+        fail(f"no store at {safe_url(location.render_as_string())}: run the pipeline first (or give --db)")
+    engine, url = store_engine(db, loaded)  # migrated: the review columns and policies exist
+    engine.dispose()
+    postgres = make_url(url).get_backend_name() == "postgresql"
+    token = None if postgres else secrets.token_urlsafe(24)
+    try:
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as exc:
+        fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another --port (or --port 0)")
+    bound = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    hosts = [host, "127.0.0.1", "localhost", "[::1]", *(allow_host or [])]
+    app = create_app(loaded, url, allowed_hosts=hosts, local_token=token)
+    link = f"http://{shown}:{bound}/" + (f"login?token={token}" if token else "login")
+    out.print(f"reviewing {loaded.name} in {safe_url(url)} at {link}" + (
+        "  (sign in with your PostgreSQL login)" if postgres else "  (this link lets the local user in)"), soft_wrap=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+    server.run(sockets=[sock])
+
+
+@review_app.command("init")
+def review_init(db: DbOption = None) -> None:
+    """Create the group role etl_reviewer (a member of etl_analyst; needs CREATEROLE) and grant it the
+    review writes: verdicts and golden examples, for granted tenants, in the login's own name. Then:
+    CREATE ROLE alice LOGIN PASSWORD '...' IN ROLE etl_reviewer; etl analyst grant alice acme."""
+    from connectors.store.security import REVIEWER_ROLE, AccessRefused, init_reviewers  # noqa: PLC0415
+    from sqlalchemy.engine import make_url  # noqa: PLC0415
+
+    engine, url = store_engine(db)
+    if make_url(url).get_backend_name() != "postgresql":
+        fail(f"{safe_url(url)} is not PostgreSQL: on SQLite `etl review serve` lets the one local user in")
+    try:
+        with engine.begin() as conn:
+            created = init_reviewers(conn)
+    except AccessRefused as exc:
+        fail(str(exc))
+    except Exception as exc:  # noqa: BLE001 - one line for the user
+        fail(f"cannot set up reviewers on {safe_url(url)}: {str(exc).splitlines()[0]}; run it as the tables' owner "
+             "with CREATEROLE")
+    out.print(f"{REVIEWER_ROLE} {'created' if created else 'exists'}: its members may record verdicts and golden "
+              f"examples for the tenants granted to them; add one with CREATE ROLE name LOGIN PASSWORD '...' "
+              f"IN ROLE {REVIEWER_ROLE}; then `etl analyst grant name TENANT`", soft_wrap=True)
+
+
 def report(out_dir: Annotated[Path, typer.Option("--out", help="Directory for index.html.")],
            pipeline: Annotated[str | None, typer.Option(help="Only this pipeline (by name).")] = None,
            db: DbOption = None) -> None:

@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, select, update
+from sqlalchemy import Connection, Engine, select, update
 
 from connectors.store.tables import review_queue as q
 from connectors.store.write import chunks
@@ -116,23 +116,32 @@ def record_verdicts(engine: Engine, verdicts: list[Verdict], reviewer: str | Non
     if reviewer is not None and (len(reviewer) > 200 or text_problem(reviewer)):
         raise ConfigError("--reviewer must be a name of at most 200 characters")
     now = datetime.now(timezone.utc)
-    by_target: dict[tuple[str, str], list[dict[str, Any]]] = {}
     with engine.begin() as conn:  # one transaction: all recorded and promoted, or nothing
-        for v in verdicts:
-            item = v.item
-            # Still the item that was read (not purged or replaced since): else nothing is recorded.
-            changed = conn.execute(update(q).where(
-                q.c.id == item["id"], q.c.pipeline == item["pipeline"], q.c.tenant == item["tenant"],
-                q.c.stage == item["stage"], q.c.doc_key == item["doc_key"]).values(
-                status="reviewed", verdict=v.verdict, corrected=v.corrected, reviewer=reviewer or v.reviewer,
-                reviewed_at=now)).rowcount
-            if changed != 1:
-                raise ConfigError(f"review item {item['id']} changed while importing; nothing imported, run it again")
-            if promote and item["content"]:  # no text kept (store_text=False): nothing to evaluate on
-                expected = v.corrected if v.verdict == "incorrect" else item["output"]
-                by_target.setdefault((item["pipeline"], item["stage"]), []).append({
-                    "tenant": item["tenant"], "doc_key": item["doc_key"], "content": item["content"],
-                    "expected": {k: value for k, value in (expected or {}).items() if k != "confidence"}})
-        for (pipeline, stage), examples in by_target.items():
-            store_golden(conn, pipeline, stage, examples, origin="review")
-    return len(verdicts), sum(len(e) for e in by_target.values())
+        promoted = sum(record(conn, v, reviewer or v.reviewer, now, promote=promote) for v in verdicts)
+    return len(verdicts), promoted
+
+
+def record(conn: Connection, v: Verdict, reviewer: str | None, now: datetime, *, promote: bool) -> bool:
+    """One verdict in the caller's transaction, and (``promote``, text kept) its golden example,
+    written with who and when; the same verdict again writes nothing new. Returns whether an
+    example was promoted. Raises ItemChanged when the item is not the one read (purged, replaced,
+    or, on PostgreSQL, not the writer's to review: its policies let the update touch no row)."""
+    item = v.item
+    changed = conn.execute(update(q).where(
+        q.c.id == item["id"], q.c.pipeline == item["pipeline"], q.c.tenant == item["tenant"],
+        q.c.stage == item["stage"], q.c.doc_key == item["doc_key"]).values(
+        status="reviewed", verdict=v.verdict, corrected=v.corrected, reviewer=reviewer, reviewed_at=now)).rowcount
+    if changed != 1:
+        raise ItemChanged(f"review item {item['id']} changed while recording; nothing recorded, run it again")
+    if not (promote and item["content"]):  # no text kept (store_text=False): nothing to evaluate on
+        return False
+    expected = v.corrected if v.verdict == "incorrect" else item["output"]
+    store_golden(conn, item["pipeline"], item["stage"], [{
+        "tenant": item["tenant"], "doc_key": item["doc_key"], "content": item["content"],
+        "expected": {k: value for k, value in (expected or {}).items() if k != "confidence"},
+        "reviewer": reviewer, "reviewed_at": now}], origin="review")
+    return True
+
+
+class ItemChanged(ConfigError):
+    """A review item is no longer the one that was read, or not the writer's to review."""

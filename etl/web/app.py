@@ -1,0 +1,345 @@
+"""The review app: a queue of sampled items, an item page (the text with every value's span
+highlighted, the answer, accept / correct / skip by keyboard), a quality page, the report.
+
+Access is the database's. On PostgreSQL a reviewer signs in as their own login; the app keeps
+the password only in that session's connection pool (in this process's memory, never in a page or
+a cookie) and reads and writes through it, so the row-level security and grants analysts have
+decide what exists for the reviewer, and the write policies (``etl review init``) decide what they
+may record, in their own name. On SQLite (the embedded default) there is one local user, let in
+by the one-time link ``etl review serve`` prints.
+
+Every write is a POST carrying the session's CSRF token (compared in constant time); the session
+cookie is HttpOnly and SameSite=Strict; pages are sent with a Content-Security-Policy that allows
+only this app's own script and style, and are never cached. Requests for another Host are refused
+(a DNS-rebinding page cannot reach the app through a name it controls).
+"""
+
+from __future__ import annotations
+
+import getpass
+import hmac
+import secrets
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs
+
+import structlog
+from sqlalchemy import Engine, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+
+from connectors.store import make_engine
+from etl.pipeline import Pipeline
+from etl.quality.review import ItemChanged, Verdict, record
+from etl.web import forms
+from etl.web import store as data
+
+log = structlog.get_logger()
+HERE = Path(__file__).parent
+COOKIE = "etl_review"
+LOGIN_COOKIE = "etl_review_login"
+IDLE_S = 8 * 3600
+MAX_FORM = 1 << 20  # a correction is small; a larger body is refused unread
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                               "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-store",
+}
+
+
+@dataclass
+class Session:
+    login: str
+    engine: Engine
+    csrf: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    seen: float = field(default_factory=time.monotonic)
+
+
+class Sessions:
+    """Signed-in reviewers by a random session id (the cookie); idle ones are closed."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    def open(self, session: Session) -> str:
+        sid = secrets.token_urlsafe(32)
+        with self._lock:
+            self._by_id[sid] = session
+        return sid
+
+    def get(self, sid: str | None) -> Session | None:
+        now = time.monotonic()
+        with self._lock:
+            for stale in [k for k, s in self._by_id.items() if now - s.seen > IDLE_S]:
+                self._close(stale)
+            session = self._by_id.get(sid or "")
+            if session is not None:
+                session.seen = now
+            return session
+
+    def close(self, sid: str | None) -> None:
+        with self._lock:
+            self._close(sid or "")
+
+    def _close(self, sid: str) -> None:
+        session = self._by_id.pop(sid, None)
+        if session is not None and session.engine is not getattr(self, "local_engine", None):
+            session.engine.dispose()
+
+
+class Headers:
+    """Adds the page headers to every response (pure ASGI: no buffering of bodies)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                present = {k.lower() for k, _ in message.get("headers", [])}
+                message["headers"] = [*message.get("headers", []), *(
+                    (k.lower().encode(), v.encode()) for k, v in PAGE_HEADERS.items() if k.lower().encode() not in present)]
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
+def create_app(pipeline: Pipeline, db_url: str, *, allowed_hosts: list[str], local_token: str | None = None) -> Starlette:
+    """The review app over the store at ``db_url`` for ``pipeline``'s items. PostgreSQL: reviewers
+    sign in with their own login. SQLite: ``local_token`` lets the one local user in."""
+    postgres = make_url(db_url).get_backend_name() == "postgresql"
+    templates = Jinja2Templates(directory=str(HERE / "templates"))
+    templates.env.globals["shown"] = forms.shown
+    sessions = Sessions()
+    local_engine = None if postgres else make_engine(db_url)
+    sessions.local_engine = local_engine  # type: ignore[attr-defined]
+    stages = {s.name: s for s in pipeline.stages}
+
+    def page(request: Request, name: str, session: Session | None, status: int = 200, **context: Any) -> Response:
+        return templates.TemplateResponse(request, name, {"session": session, "pipeline": pipeline.name,
+                                                          "postgres": postgres, **context}, status_code=status)
+
+    def refused(request: Request, session: Session | None, status: int, message: str) -> Response:
+        return page(request, "message.html", session, status, title="Not allowed" if status == 403 else "Error",
+                    message=message)
+
+    async def form_of(request: Request) -> dict[str, str] | None:
+        if int(request.headers.get("content-length") or 0) > MAX_FORM:
+            return None
+        body = await request.body()
+        if len(body) > MAX_FORM:
+            return None
+        try:
+            parsed = parse_qs(body.decode("utf-8"), keep_blank_values=True, max_num_fields=500)
+        except (UnicodeDecodeError, ValueError):
+            return None
+        return {k: v[-1] for k, v in parsed.items()}
+
+    def current(request: Request) -> Session | None:
+        return sessions.get(request.cookies.get(COOKIE))
+
+    def signed_in(response: Response, session: Session) -> Response:
+        response.set_cookie(COOKIE, sessions.open(session), httponly=True, samesite="strict", path="/")
+        response.delete_cookie(LOGIN_COOKIE, path="/")
+        return response
+
+    async def login(request: Request) -> Response:
+        if not postgres:
+            token = request.query_params.get("token", "")
+            if local_token and token and hmac.compare_digest(token, local_token):
+                return signed_in(RedirectResponse("/", 303), Session(getpass.getuser(), local_engine))  # type: ignore[arg-type]
+            return refused(request, None, 401, "Open the link `etl review serve` printed (it lets the local user in).")
+        if request.method == "GET":
+            nonce = secrets.token_urlsafe(32)
+            response = page(request, "login.html", None, nonce=nonce, problem=None)
+            response.set_cookie(LOGIN_COOKIE, nonce, httponly=True, samesite="strict", path="/")
+            return response
+        form = await form_of(request) or {}
+        nonce = request.cookies.get(LOGIN_COOKIE, "")
+        if not nonce or not hmac.compare_digest(form.get("csrf", ""), nonce):
+            return refused(request, None, 403, "The sign-in form expired or was not this app's: open /login again.")
+        user, password = form.get("user", "")[:200], form.get("password", "")
+        session = await _connect(db_url, user, password)
+        if session is None:
+            fresh = secrets.token_urlsafe(32)
+            response = page(request, "login.html", None, 401, nonce=fresh,
+                            problem="Sign-in refused: check the login and password, and that the owner ran "
+                                    f"`GRANT etl_reviewer TO \"{user}\"` and `etl analyst grant`.")
+            response.set_cookie(LOGIN_COOKIE, fresh, httponly=True, samesite="strict", path="/")
+            return response
+        log.info("review sign-in", login=session.login)
+        return signed_in(RedirectResponse("/", 303), session)
+
+    async def logout(request: Request) -> Response:
+        session = current(request)
+        form = await form_of(request) or {}
+        if session is None or not hmac.compare_digest(form.get("csrf", ""), session.csrf):
+            return refused(request, session, 403, "Sign-out needs this app's own form.")
+        sessions.close(request.cookies.get(COOKIE))
+        response = RedirectResponse("/login" if postgres else "/signed-out", 303)
+        response.delete_cookie(COOKIE, path="/")
+        return response
+
+    def need(request: Request) -> Session | Response:
+        session = current(request)
+        if session is not None:
+            return session
+        if postgres:
+            return RedirectResponse("/login", 303)
+        if request.query_params.get("token"):
+            return RedirectResponse(f"/login?token={request.query_params['token']}", 303)
+        return refused(request, None, 401, "Open the link `etl review serve` printed (it lets the local user in).")
+
+    async def queue(request: Request) -> Response:
+        session = need(request)
+        if isinstance(session, Response):
+            return session
+        filters = data.Filters.of(request.query_params)
+        items, choices, total = await _run(data.queue, session.engine, pipeline.name, filters)
+        return page(request, "queue.html", session, items=items, choices=choices, filters=filters, total=total,
+                    limit=data.QUEUE_LIMIT)
+
+    async def show(request: Request, problems: dict[str, str] | None = None, entered: dict[str, str] | None = None,
+                   status: int = 200) -> Response:
+        session = need(request)
+        if isinstance(session, Response):
+            return session
+        item = await _item(session, request)
+        if item is None:
+            return refused(request, session, 403, "There is no review item with this id that you may open.")
+        stage = stages.get(item["stage"])
+        fields = forms.fields(stage.output_model) if stage is not None else []
+        filters = data.Filters.of(request.query_params)
+        return page(request, "item.html", session, status, item=item, fields=fields, problems=problems or {},
+                    entered=entered, segments=data.segments(item["content"], item["spans"]), filters=filters,
+                    spans={s["path"]: s for s in item["spans"]}, known_stage=stage is not None)
+
+    async def _item(session: Session, request: Request) -> dict[str, Any] | None:
+        try:
+            item_id = int(request.path_params["item_id"])
+        except ValueError:
+            return None
+        if not -(1 << 63) <= item_id < 1 << 63:
+            return None
+        return await _run(data.item, session.engine, pipeline.name, item_id)
+
+    async def decide(request: Request) -> Response:
+        session = current(request)
+        form = await form_of(request)
+        if session is None or form is None or not hmac.compare_digest(form.get("csrf", ""), session.csrf):
+            log.warning("review write refused: no session or CSRF token", path=request.url.path)
+            return refused(request, session, 403, "This form was not sent by your review page (its token is missing "
+                                                  "or stale): nothing was recorded. Reload the item and try again.")
+        item = await _item(session, request)
+        if item is None:
+            return refused(request, session, 403, "There is no review item with this id that you may open.")
+        filters = data.Filters.of(request.query_params)
+        action = form.get("action")
+        if action == "correct":
+            stage = stages.get(item["stage"])
+            if stage is None:
+                return refused(request, session, 400, f"stage {item['stage']!r} is not in pipeline {pipeline.name!r}: "
+                                                      "serve the pipeline it came from to correct it")
+            corrected, problems = forms.read(stage.output_model, form)
+            if problems:
+                return await show(request, problems, form, 422)
+            verdict = Verdict(item, "incorrect", corrected, None)
+        elif action == "accept":
+            verdict = Verdict(item, "correct", None, None)
+        elif action != "skip":
+            return refused(request, session, 400, "Unknown action: accept, correct or skip.")
+        if action != "skip":
+            try:
+                await _run(_record, session, verdict)
+            except (ItemChanged, DBAPIError) as exc:
+                log.warning("review write refused", login=session.login, item=item["id"], error=str(exc).splitlines()[0])
+                return refused(request, session, 403, "This item could not be recorded under your login (it changed, "
+                                                      "or your login may not review its tenant): nothing was recorded.")
+        after = await _run(data.neighbour, session.engine, pipeline.name, filters, item["id"])
+        query = f"?{filters.query()}" if filters.query() else ""
+        return RedirectResponse(f"/items/{after}{query}" if after is not None else f"/{query}", 303)
+
+    async def quality(request: Request) -> Response:
+        session = need(request)
+        if isinstance(session, Response):
+            return session
+        return page(request, "quality.html", session, **await _run(data.quality, session.engine, pipeline.name))
+
+    async def report(request: Request) -> Response:
+        """The quality report (``etl report``) drawn from what this login may read."""
+        session = need(request)
+        if isinstance(session, Response):
+            return session
+        from etl.quality.report import write_report  # noqa: PLC0415
+
+        def draw() -> str:
+            with tempfile.TemporaryDirectory() as out:
+                return write_report(session.engine, Path(out), pipeline.name).read_text(encoding="utf-8")
+
+        # The report is one self-contained page with its own inline styles and no script.
+        return HTMLResponse(await _run(draw), headers={
+            "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; img-src data:; "
+                                       "frame-ancestors 'none'; base-uri 'none'; form-action 'none'"})
+
+    async def signed_out(request: Request) -> Response:
+        return refused(request, None, 200, "Signed out. Open the link `etl review serve` printed to come back.")
+
+    def _record(session: Session, verdict: Verdict) -> None:
+        with session.engine.begin() as conn:
+            record(conn, verdict, session.login, datetime.now(timezone.utc), promote=True)
+
+    routes = [
+        Route("/", queue), Route("/login", login, methods=["GET", "POST"]), Route("/logout", logout, methods=["POST"]),
+        Route("/signed-out", signed_out), Route("/items/{item_id}", show, methods=["GET"]),
+        Route("/items/{item_id}", decide, methods=["POST"]), Route("/quality", quality), Route("/report", report),
+        Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
+    ]
+    return Starlette(routes=routes, middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts),
+                                                Middleware(Headers)])
+
+
+async def _run(fn: Any, *args: Any) -> Any:
+    from starlette.concurrency import run_in_threadpool  # noqa: PLC0415
+
+    return await run_in_threadpool(fn, *args)
+
+
+async def _connect(db_url: str, user: str, password: str) -> Session | None:
+    """A session for a PostgreSQL login that may review, or None (wrong password, no such login, or
+    not a reviewer: the page says the same for each)."""
+    from connectors.store.security import is_reviewer  # noqa: PLC0415
+
+    if not user or not password:
+        return None
+
+    def connect() -> Session | None:
+        engine = make_engine(make_url(db_url).set(username=user, password=password).render_as_string(hide_password=False))
+        try:
+            with engine.connect() as conn:
+                login = str(conn.execute(text("SELECT current_user")).scalar_one())
+                if is_reviewer(conn, login):
+                    return Session(login, engine)
+        except DBAPIError as exc:
+            log.info("review sign-in refused", login=user, error=str(exc).splitlines()[0][:200])
+        engine.dispose()
+        return None
+
+    return await _run(connect)  # type: ignore[no-any-return]
