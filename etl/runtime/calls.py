@@ -207,6 +207,9 @@ class ModelCalls:
             # a re-ask for grounding that failed in any way keeps the valid answer it was to improve
             output, response, used = kept
             calls[used] = calls[used].model_copy(update={"outcome": "ok"})
+            # the attempts after it did not end the stage: one final outcome per stage run
+            calls[used + 1:] = [c.model_copy(update={"outcome": "repair"}) if c.outcome == "failed" else c
+                                for c in calls[used + 1:]]
         spent_in = sum(c.tokens_in for c in calls)
         spent_out = sum(c.tokens_out for c in calls)
         data = output.model_dump(mode="json")

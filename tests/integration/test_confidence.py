@@ -192,7 +192,7 @@ async def test_a_failed_reask_keeps_the_valid_answer_it_was_to_improve(store_url
     stats = await run_pipeline(pipeline(store_url, [{"id": "r", "text": text}], stage), llm=llm)
     assert len(llm.calls) == stats.llm_calls == 2 and stats.results_written == 1 and stats.dead_letters == 0
     assert rows(store_url, "SELECT outcome, error FROM llm_calls ORDER BY id") == [
-        ("ok", "ungrounded"), ("failed", "schema_invalid")]
+        ("ok", "ungrounded"), ("repair", "schema_invalid")]  # one final outcome: the stage ran once
     assert sorted(rows(store_url, "SELECT path, match FROM field_spans")) == [("company", "none"), ("total", "number")]
     again = FakeLLM(prose_when_asked_again)
     stats = await run_pipeline(pipeline(store_url, [{"id": "r", "text": text}], stage), llm=again)
