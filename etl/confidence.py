@@ -103,23 +103,30 @@ def value_ranges(text: str) -> dict[str, tuple[int, int]]:
     return scanner.ranges if scanner.at == len(text) else {}
 
 
+def embedded_object(text: str) -> tuple[dict[str, Any], int, int] | None:
+    """The first JSON object inside prose ("Sure! Here it is: {...} Hope that helps") and where it
+    starts and ends, or None."""
+    decoder = json.JSONDecoder()
+    start = text.find("{")
+    while start != -1:
+        try:
+            value, end = decoder.raw_decode(text, start)
+            if isinstance(value, dict):
+                return value, start, end
+        except json.JSONDecodeError:
+            pass
+        start = text.find("{", start + 1)
+    return None
+
+
 def _answer_ranges(text: str) -> dict[str, tuple[int, int]]:
     """:func:`value_ranges` of the answer, or of the first JSON object inside it (a fenced or
     prose-wrapped answer, as ``Stage.parse`` reads it), in the answer's own offsets."""
     ranges = value_ranges(text)
-    if ranges or text.strip().startswith(("{", "[")):
+    if ranges or text.strip().startswith(("{", "[")) or (found := embedded_object(text)) is None:
         return ranges
-    decoder, start = json.JSONDecoder(), text.find("{")
-    while start != -1:
-        try:
-            value, end = decoder.raw_decode(text, start)
-        except json.JSONDecodeError:
-            start = text.find("{", start + 1)
-            continue
-        if not isinstance(value, dict):
-            return {}
-        return {path: (a + start, b + start) for path, (a, b) in value_ranges(text[start:end]).items()}
-    return {}
+    _, start, end = found
+    return {path: (a + start, b + start) for path, (a, b) in value_ranges(text[start:end]).items()}
 
 
 def from_logprobs(text: str, tokens: Sequence[tuple[str, float]], output: Any = None) -> Confidence:

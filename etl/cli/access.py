@@ -17,7 +17,7 @@ RoleArg = Annotated[str, typer.Argument(help="The analyst's login (a PostgreSQL 
 TenantArg = Annotated[str, typer.Argument(help="The tenant.")]
 
 
-def _postgres(db: str | None) -> tuple[Engine, str]:
+def postgres_engine(db: str | None) -> tuple[Engine, str]:
     from etl.runtime.wiring import database_url  # noqa: PLC0415
 
     url = db or database_url(None, Settings())
@@ -33,7 +33,7 @@ def analyst_init(db: DbOption = None) -> None:
     access on every table with a tenant column and the views. Run it as the tables' owner."""
     from connectors.store.security import ANALYST_ROLE, AccessRefused, init_analysts, schema_usage_missing  # noqa: PLC0415
 
-    engine, url = _postgres(db)
+    engine, url = postgres_engine(db)
     try:
         with engine.begin() as conn:
             created = init_analysts(conn)
@@ -60,7 +60,7 @@ def analyst_grant(role: RoleArg, tenant: TenantArg, db: DbOption = None) -> None
     problem = text_problem(tenant) or (f"is longer than {MAX_TENANT} characters" if len(tenant) > MAX_TENANT else None)
     if problem:
         fail(f"the tenant {problem}")
-    engine, _ = _postgres(db)
+    engine, _ = postgres_engine(db)
     try:
         with engine.begin() as conn:
             check_login(conn, role)
@@ -81,7 +81,7 @@ def analyst_revoke(role: RoleArg, tenant: TenantArg, db: DbOption = None) -> Non
     """Stop a login reading a tenant (its open transactions keep their snapshot until they end)."""
     from connectors.store.tables import analyst_grants as g  # noqa: PLC0415
 
-    engine, _ = _postgres(db)
+    engine, _ = postgres_engine(db)
     with engine.begin() as conn:
         gone = conn.execute(delete(g).where(g.c.role == role, g.c.tenant == tenant)).rowcount
     out.print(f"{role} may no longer read {tenant}" if gone else f"{role} had no grant for {tenant}")
@@ -93,7 +93,7 @@ def analyst_list(role: Annotated[str | None, typer.Argument(help="Only this logi
     """Who may read which tenant."""
     from connectors.store.tables import analyst_grants as g  # noqa: PLC0415
 
-    engine, _ = _postgres(db)
+    engine, _ = postgres_engine(db)
     query = select(g.c.role, g.c.tenant, g.c.created_at).order_by(g.c.role, g.c.tenant)
     with engine.connect() as conn:
         roles = set(conn.execute(text("SELECT rolname FROM pg_roles")).scalars())

@@ -222,18 +222,16 @@ def review_serve(pipeline: PipelineArg,
     import uvicorn  # noqa: PLC0415
     from sqlalchemy.engine import make_url  # noqa: PLC0415
 
+    from etl.cli.support import existing_engine  # noqa: PLC0415
     from etl.pipeline import load_pipeline  # noqa: PLC0415
-    from etl.web.app import create_app  # noqa: PLC0415
-
     from etl.runtime.wiring import database_url  # noqa: PLC0415
+    from etl.web.app import create_app  # noqa: PLC0415
 
     try:
         loaded = load_pipeline(pipeline)
     except EtlError as exc:
         fail(str(exc))
-    location = make_url(db or database_url(loaded, Settings()))
-    if location.get_backend_name() == "sqlite" and not Path(location.database or "").is_file():
-        fail(f"no store at {safe_url(location.render_as_string())}: run the pipeline first (or give --db)")
+    existing_engine(db or database_url(loaded, Settings()), "review").dispose()  # a mistyped SQLite path: refused
     engine, url = store_engine(db, loaded)  # migrated: the review columns and policies exist
     engine.dispose()
     postgres = make_url(url).get_backend_name() == "postgresql"
@@ -259,11 +257,9 @@ def review_init(db: DbOption = None) -> None:
     review writes: verdicts and golden examples, for granted tenants, in the login's own name. Then:
     CREATE ROLE alice LOGIN PASSWORD '...' IN ROLE etl_reviewer; etl analyst grant alice acme."""
     from connectors.store.security import REVIEWER_ROLE, AccessRefused, init_reviewers  # noqa: PLC0415
-    from sqlalchemy.engine import make_url  # noqa: PLC0415
+    from etl.cli.access import postgres_engine  # noqa: PLC0415
 
-    engine, url = store_engine(db)
-    if make_url(url).get_backend_name() != "postgresql":
-        fail(f"{safe_url(url)} is not PostgreSQL: on SQLite `etl review serve` lets the one local user in")
+    engine, url = postgres_engine(db)
     try:
         with engine.begin() as conn:
             created = init_reviewers(conn)

@@ -9,7 +9,7 @@ put one tenant's text or answer under another tenant (in the queue or, promoted,
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -115,32 +115,37 @@ def record_verdicts(engine: Engine, verdicts: list[Verdict], reviewer: str | Non
     answers of items whose text was kept join the golden set. Returns (recorded, promoted)."""
     if reviewer is not None and (len(reviewer) > 200 or text_problem(reviewer)):
         raise ConfigError("--reviewer must be a name of at most 200 characters")
-    now = datetime.now(timezone.utc)
+    named = [replace(v, reviewer=reviewer or v.reviewer) for v in verdicts]
     with engine.begin() as conn:  # one transaction: all recorded and promoted, or nothing
-        promoted = sum(record(conn, v, reviewer or v.reviewer, now, promote=promote) for v in verdicts)
+        promoted = record(conn, named, datetime.now(timezone.utc), promote=promote)
     return len(verdicts), promoted
 
 
-def record(conn: Connection, v: Verdict, reviewer: str | None, now: datetime, *, promote: bool) -> bool:
-    """One verdict in the caller's transaction, and (``promote``, text kept) its golden example,
-    written with who and when; the same verdict again writes nothing new. Returns whether an
-    example was promoted. Raises ItemChanged when the item is not the one read (purged, replaced,
-    or, on PostgreSQL, not the writer's to review: its policies let the update touch no row)."""
-    item = v.item
-    changed = conn.execute(update(q).where(
-        q.c.id == item["id"], q.c.pipeline == item["pipeline"], q.c.tenant == item["tenant"],
-        q.c.stage == item["stage"], q.c.doc_key == item["doc_key"]).values(
-        status="reviewed", verdict=v.verdict, corrected=v.corrected, reviewer=reviewer, reviewed_at=now)).rowcount
-    if changed != 1:
-        raise ItemChanged(f"review item {item['id']} changed while recording; nothing recorded, run it again")
-    if not (promote and item["content"]):  # no text kept (store_text=False): nothing to evaluate on
-        return False
-    expected = v.corrected if v.verdict == "incorrect" else item["output"]
-    store_golden(conn, item["pipeline"], item["stage"], [{
-        "tenant": item["tenant"], "doc_key": item["doc_key"], "content": item["content"],
-        "expected": {k: value for k, value in (expected or {}).items() if k != "confidence"},
-        "reviewer": reviewer, "reviewed_at": now}], origin="review")
-    return True
+def record(conn: Connection, verdicts: list[Verdict], now: datetime, *, promote: bool) -> int:
+    """The verdicts, each in its ``reviewer``'s name, in the caller's transaction, and (``promote``,
+    text kept) their golden examples, written with who and when; the same verdicts again write
+    nothing new. Returns how many examples were promoted. Raises ItemChanged when an item is not
+    the one read (purged, replaced, or, on PostgreSQL, not the writer's to review: its policies let
+    the update touch no row)."""
+    by_target: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for v in verdicts:
+        item = v.item
+        changed = conn.execute(update(q).where(
+            q.c.id == item["id"], q.c.pipeline == item["pipeline"], q.c.tenant == item["tenant"],
+            q.c.stage == item["stage"], q.c.doc_key == item["doc_key"]).values(
+            status="reviewed", verdict=v.verdict, corrected=v.corrected, reviewer=v.reviewer,
+            reviewed_at=now)).rowcount
+        if changed != 1:
+            raise ItemChanged(f"review item {item['id']} changed while recording; nothing recorded, run it again")
+        if promote and item["content"]:  # no text kept (store_text=False): nothing to evaluate on
+            expected = v.corrected if v.verdict == "incorrect" else item["output"]
+            by_target.setdefault((item["pipeline"], item["stage"]), []).append({
+                "tenant": item["tenant"], "doc_key": item["doc_key"], "content": item["content"],
+                "expected": {k: value for k, value in (expected or {}).items() if k != "confidence"},
+                "reviewer": v.reviewer, "reviewed_at": now})
+    for (pipeline, stage), examples in by_target.items():  # one upsert per target, rows in key order
+        store_golden(conn, pipeline, stage, examples, origin="review")
+    return sum(len(e) for e in by_target.values())
 
 
 class ItemChanged(ConfigError):

@@ -17,6 +17,7 @@ from etl.errors import ConfigError, Refusal, SchemaInvalid, SemanticInvalid, Tru
 from etl.llm.base import LLMRequest, LLMResponse, Message
 from etl.stages.chunking import Chunk, Chunking
 from etl.stages.merge import Rule
+from etl.confidence import embedded_object
 from etl.storable import value_problem
 from dedup import code_digest
 from etl.validators import Validator, validator_spec
@@ -24,21 +25,6 @@ from schemas import Document
 
 #: Plain-text answers that decline rather than answer (for backends without a refusal field).
 _REFUSAL = re.compile(r"^\s*(i'?m sorry|i am sorry|i can(?:no|')t|i cannot|i won'?t|as an ai)", re.IGNORECASE)
-
-
-def _embedded_json(text: str) -> Any:
-    """The first JSON object inside prose ("Sure! Here it is: {...} Hope that helps"), or None."""
-    decoder = json.JSONDecoder()
-    start = text.find("{")
-    while start != -1:
-        try:
-            value, _ = decoder.raw_decode(text, start)
-            if isinstance(value, dict):
-                return value
-        except json.JSONDecodeError:
-            pass
-        start = text.find("{", start + 1)
-    return None
 
 _CHECK_KINDS = ("validators", "field_validators", "root_validators", "model_validators", "field_serializers",
                 "model_serializers")
@@ -199,11 +185,12 @@ class Stage(ABC):
         try:
             data = json.loads(text)
         except json.JSONDecodeError:
-            data = _embedded_json(text)
-            if data is None:
+            found = embedded_object(text)
+            if found is None:
                 if _REFUSAL.match(text):
                     raise Refusal("the model declined to answer", raw=text) from None
                 raise SchemaInvalid("the answer is not JSON", raw=text) from None
+            data = found[0]
         try:
             output = self.output_model.model_validate(data)
         except ValidationError as exc:

@@ -71,9 +71,10 @@ class Session:
 class Sessions:
     """Signed-in reviewers by a random session id (the cookie); idle ones are closed."""
 
-    def __init__(self) -> None:
+    def __init__(self, shared: Engine | None = None) -> None:
         self._by_id: dict[str, Session] = {}
         self._lock = threading.Lock()
+        self._shared = shared  # SQLite's one engine: every local session's, never closed with one
 
     def open(self, session: Session) -> str:
         sid = secrets.token_urlsafe(32)
@@ -97,7 +98,7 @@ class Sessions:
 
     def _close(self, sid: str) -> None:
         session = self._by_id.pop(sid, None)
-        if session is not None and session.engine is not getattr(self, "local_engine", None):
+        if session is not None and session.engine is not self._shared:
             session.engine.dispose()
 
 
@@ -128,9 +129,8 @@ def create_app(pipeline: Pipeline, db_url: str, *, allowed_hosts: list[str], loc
     postgres = make_url(db_url).get_backend_name() == "postgresql"
     templates = Jinja2Templates(directory=str(HERE / "templates"))
     templates.env.globals["shown"] = forms.shown
-    sessions = Sessions()
     local_engine = None if postgres else make_engine(db_url)
-    sessions.local_engine = local_engine  # type: ignore[attr-defined]
+    sessions = Sessions(local_engine)
     stages = {s.name: s for s in pipeline.stages}
 
     def page(request: Request, name: str, session: Session | None, status: int = 200, **context: Any) -> Response:
@@ -261,9 +261,9 @@ def create_app(pipeline: Pipeline, db_url: str, *, allowed_hosts: list[str], loc
             corrected, problems = forms.read(stage.output_model, form)
             if problems:
                 return await show(request, problems, form, 422)
-            verdict = Verdict(item, "incorrect", corrected, None)
+            verdict = Verdict(item, "incorrect", corrected, session.login)
         elif action == "accept":
-            verdict = Verdict(item, "correct", None, None)
+            verdict = Verdict(item, "correct", None, session.login)
         elif action != "skip":
             return refused(request, session, 400, "Unknown action: accept, correct or skip.")
         if action != "skip":
@@ -304,7 +304,7 @@ def create_app(pipeline: Pipeline, db_url: str, *, allowed_hosts: list[str], loc
 
     def _record(session: Session, verdict: Verdict) -> None:
         with session.engine.begin() as conn:
-            record(conn, verdict, session.login, datetime.now(timezone.utc), promote=True)
+            record(conn, [verdict], datetime.now(timezone.utc), promote=True)
 
     routes = [
         Route("/", queue), Route("/login", login, methods=["GET", "POST"]), Route("/logout", logout, methods=["POST"]),
