@@ -15,6 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from etl.storable import value_problem
+
 #: Output fields a reviewer does not correct (the model's own sureness).
 NOT_CORRECTED = frozenset({"confidence"})
 
@@ -93,8 +95,10 @@ def read(model: type[BaseModel], form: dict[str, str]) -> tuple[dict[str, Any] |
             problems.setdefault(where, f"{'.'.join(map(str, error['loc'][1:])) + ': ' if len(error['loc']) > 1 else ''}"
                                        f"{error['msg']}")
         return None, problems
-    answer = validated.model_dump(mode="json")
-    return {k: v for k, v in answer.items() if k not in NOT_CORRECTED}, {}
+    answer = {k: v for k, v in validated.model_dump(mode="json").items() if k not in NOT_CORRECTED}
+    if (problem := value_problem(answer, "corrected")) is not None:  # as `etl review import` checks a file's
+        return None, {"answer": problem}
+    return answer, {}
 
 
 def _value(field: Field, raw: str) -> Any:
