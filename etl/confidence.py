@@ -20,11 +20,11 @@ from __future__ import annotations
 import codecs
 import json
 import math
+import re
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from etl.grounding import leaves
 
 #: A field's confidence as cached and stored: ``[probability, "logprob" | "agreement"]``.
 Confidence = dict[str, list[Any]]
@@ -52,6 +52,7 @@ class _Scanner:
             if self.text.startswith("}", self.at):
                 self.at += 1
                 return
+            seen: set[str] = set()
             while True:
                 self._space()
                 name, self.at = self._decoder.raw_decode(self.text, self.at)
@@ -59,7 +60,12 @@ class _Scanner:
                 if not self.text.startswith(":", self.at):
                     raise ValueError("expected ':'")
                 self.at += 1
-                self.value(f"{path}.{name}" if path else str(name))
+                inner = f"{path}.{name}" if path else str(name)
+                if inner in seen:  # a repeated key: JSON readers keep its last value only
+                    self.ranges = {p: r for p, r in self.ranges.items()
+                                   if not (p == inner or p.startswith((inner + ".", inner + "[")))}
+                seen.add(inner)
+                self.value(inner)
                 self._space()
                 if self.text.startswith(",", self.at):
                     self.at += 1
@@ -98,7 +104,7 @@ def value_ranges(text: str) -> dict[str, tuple[int, int]]:
     try:
         scanner.value("")
         scanner._space()
-    except (ValueError, IndexError):
+    except (ValueError, IndexError, RecursionError):
         return {}
     return scanner.ranges if scanner.at == len(text) else {}
 
@@ -113,7 +119,7 @@ def embedded_object(text: str) -> tuple[dict[str, Any], int, int] | None:
             value, end = decoder.raw_decode(text, start)
             if isinstance(value, dict):
                 return value, start, end
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON from here, or JSON Python will not read
             pass
         start = text.find("{", start + 1)
     return None
@@ -123,7 +129,7 @@ def _answer_ranges(text: str) -> dict[str, tuple[int, int]]:
     """:func:`value_ranges` of the answer, or of the first JSON object inside it (a fenced or
     prose-wrapped answer, as ``Stage.parse`` reads it), in the answer's own offsets."""
     ranges = value_ranges(text)
-    if ranges or text.strip().startswith(("{", "[")) or (found := embedded_object(text)) is None:
+    if ranges or (found := embedded_object(text)) is None:
         return ranges
     _, start, end = found
     return {path: (a + start, b + start) for path, (a, b) in value_ranges(text[start:end]).items()}
@@ -135,8 +141,16 @@ def from_logprobs(text: str, tokens: Sequence[tuple[str, float]], output: Any = 
     pieces do not spell the text, or carry a log-probability that is not a finite number: then
     nothing is claimed. A value the pieces do not reach to its end (a last token not reported) gets
     none. With ``output`` (the validated answer as JSON data), only the values it holds unchanged at
-    the same path keep one: a validator that reorders, drops or rewrites a value, or a key the
-    schema does not keep, must not carry the raw answer's confidence to another value."""
+    the same path, inside list items it holds unchanged, keep one: a validator that reorders, drops
+    or rewrites a value, or a key the schema does not keep, must not carry the raw answer's
+    confidence to another value. Total: an answer it cannot read claims nothing."""
+    try:
+        return _from_logprobs(text, tokens, output)
+    except (ValueError, RecursionError):  # an answer nested deeper than the stack goes
+        return {}
+
+
+def _from_logprobs(text: str, tokens: Sequence[tuple[str, float]], output: Any) -> Confidence:
     spelled = "".join(piece for piece, _ in tokens)
     core = text.strip()
     found = spelled.find(core) if core else -1
@@ -151,13 +165,11 @@ def from_logprobs(text: str, tokens: Sequence[tuple[str, float]], output: Any = 
         at += len(piece)
         stops.append(at)
         logprobs.append(min(0.0, logprob))
-    kept = None if output is None else dict(leaves(output))
+    ranges = {path: span for path, span in _answer_ranges(text).items() if span[1] <= at}
+    if output is not None:
+        ranges = _unchanged(ranges, text, dict(scalars(output)))
     out: Confidence = {}
-    for path, (start, end) in _answer_ranges(text).items():
-        if end > at:
-            continue
-        if kept is not None and (path not in kept or not _same(kept[path], text[start:end])):
-            continue
+    for path, (start, end) in ranges.items():
         if text[start] == '"' and end - start > 2:  # a string's own characters, not the quotes' choice of
             start, end = start + 1, end - 1  # spacing around them (a token ' "' or '"}' is formatting)
         # the tokens overlapping [start, end): those ending after start and beginning before end
@@ -166,12 +178,41 @@ def from_logprobs(text: str, tokens: Sequence[tuple[str, float]], output: Any = 
     return out
 
 
+def scalars(value: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """(path, value) of every scalar in JSON data, booleans and nulls included (the values a model
+    chose tokens for), by the paths ``etl.grounding.leaves`` uses."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from scalars(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for number, item in enumerate(value):
+            yield from scalars(item, f"{path}[{number}]")
+    else:
+        yield path, value
+
+
+_ITEM = re.compile(r"\[\d+\]")
+
+
+def _unchanged(ranges: dict[str, tuple[int, int]], text: str,
+               validated: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """The answer's values the validated output holds as they were: the same value at the same
+    path, and no value of an enclosing list item changed (a list sorted by one field moves its
+    items' other fields with them, however equal they look)."""
+    kept = {path: _same(validated[path], text[start:end]) for path, (start, end) in ranges.items()
+            if path in validated}  # a key the schema dropped changed nothing it kept
+    moved = {path[:m.end()] for path, same in kept.items() if not same for m in _ITEM.finditer(path)}
+    return {path: ranges[path] for path, same in kept.items()
+            if same and not any(path[:m.end()] in moved for m in _ITEM.finditer(path))}
+
+
 def _same(validated: Any, raw: str) -> bool:
     """Whether the validated value is the one the answer spelled at that place: the same text (up
-    to surrounding space), or the same number however written (``12.50``, ``"12.5"`` as a Decimal)."""
+    to surrounding space), the same boolean or null, or the same number however written
+    (``12.50``, ``"12.5"`` as a Decimal)."""
     value = json.loads(raw)
-    if isinstance(value, bool) or isinstance(validated, bool):
-        return False  # not a value leaves() yields
+    if value is None or validated is None or isinstance(value, bool) or isinstance(validated, bool):
+        return value is validated
     if isinstance(value, str) and isinstance(validated, str):
         return value.strip() == validated.strip()
     try:

@@ -99,17 +99,22 @@ def upgrade(engine: Engine, typed_tables: Sequence[TypedTable] = ()) -> None:
 
 
 def behind(engine: Engine) -> str | None:
-    """Why the store is older than this code (its revision and the head's), or None when it is at
-    head or was never migrated (then there is nothing to read yet)."""
+    """Why this code cannot read the store's tables, and what to do: they are at an older revision
+    (upgrade the store) or at one this code does not know (a newer etl migrated them: upgrade etl).
+    None when they are at head or were never migrated (then there is nothing to read yet)."""
     from alembic.runtime.migration import MigrationContext  # noqa: PLC0415
     from alembic.script import ScriptDirectory  # noqa: PLC0415
 
     with engine.connect() as conn:
         current = MigrationContext.configure(conn).get_current_revision()
-    head = ScriptDirectory(str(MIGRATIONS)).get_current_head()
+    script = ScriptDirectory(str(MIGRATIONS))
+    head = script.get_current_head()
     if current is None or current == head:
         return None
-    return f"the store's tables are at revision {current}, this etl reads revision {head}"
+    if current not in {revision.revision for revision in script.walk_revisions()}:
+        return (f"the store's tables are at revision {current}, newer than this etl's {head}: "
+                f"upgrade etl (pip install -U idem-etl) to read them")
+    return f"the store's tables are at revision {current}, this etl reads revision {head}: run `etl db upgrade --db URL` first"
 
 
 #: Any constant: the PostgreSQL advisory lock that serialises workers migrating at the same time.

@@ -218,8 +218,8 @@ def status(
             _fail(str(exc))
     try:
         engine = make_engine(url)
-        if (older := behind(engine)) is not None:
-            _fail(f"{_safe(url)}: {older}: run `etl db upgrade --db URL` first")
+        if (unreadable := behind(engine)) is not None:
+            _fail(f"{_safe(url)}: {unreadable}")
         found = report(engine, name, ends)
     except typer.Exit:
         raise

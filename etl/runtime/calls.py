@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pydantic import BaseModel
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
@@ -41,6 +41,8 @@ from etl.llm.base import LLM, LLMRequest, LLMResponse
 from etl.stages import StagePlan
 from etl.tenancy import TenantBudgets
 from schemas import CallRecord, Document
+
+log = logging.getLogger(__name__)
 
 _backoff = wait_random_exponential(multiplier=0.5, max=10)
 
@@ -166,7 +168,7 @@ class ModelCalls:
         calls: list[CallRecord] = []
         started = time.perf_counter()
         repairs_left = self.repairs
-        kept: tuple[BaseModel, LLMResponse, int] | None = None  # a valid answer re-asked for grounding
+        kept: tuple[dict[str, Any], LLMResponse, int] | None = None  # a valid answer re-asked for grounding
         try:
             while True:
                 if self.budgets is not None and not await self.budgets.allows(document.tenant):
@@ -180,6 +182,8 @@ class ModelCalls:
                                             latency_ms=response.latency_ms)
                 try:
                     output = stage.parse(response)
+                    data = output.model_dump(mode="json")
+                    problem = stage.reask(output, document) if repairs_left > 0 else None
                 except (SchemaInvalid, SemanticInvalid) as exc:
                     if repairs_left > 0:
                         repairs_left -= 1
@@ -191,9 +195,12 @@ class ModelCalls:
                 except OutputError as exc:
                     calls.append(attempt("failed", error=exc.reason))
                     raise
-                if repairs_left > 0 and (problem := stage.reask(output, document)) is not None:
+                except Exception:  # a validator's own bug: the answer was paid for all the same
+                    calls.append(attempt("failed", error="stage_error"))
+                    raise
+                if problem is not None:
                     repairs_left -= 1  # valid, but not all of it is in the text: asked again, once per repair
-                    kept = (output, response, len(calls))
+                    kept = (data, response, len(calls))
                     calls.append(attempt("repair", error="ungrounded"))
                     request = stage.repair(request, response.text, problem)
                     continue
@@ -205,19 +212,18 @@ class ModelCalls:
                     f"{type(exc).__name__}: {str(exc)[:300]}")
                 raise StageFailed(error, calls) from exc
             # a re-ask for grounding that failed in any way keeps the valid answer it was to improve
-            output, response, used = kept
+            data, response, used = kept
+            log.warning("%s/%s: the re-ask for ungrounded values failed (%s: %s); keeping the first answer",
+                        document.tenant, document.key, type(exc).__name__, str(exc)[:200])
             calls[used] = calls[used].model_copy(update={"outcome": "ok"})
             # the attempts after it did not end the stage: one final outcome per stage run
             calls[used + 1:] = [c.model_copy(update={"outcome": "repair"}) if c.outcome == "failed" else c
                                 for c in calls[used + 1:]]
-        spent_in = sum(c.tokens_in for c in calls)
-        spent_out = sum(c.tokens_out for c in calls)
-        data = output.model_dump(mode="json")
         entry = CacheEntry(
             cache_key=key, tenant=document.tenant, stage=stage.name, fingerprint=plan.fingerprint,
-            output=data, model=response.model, tokens_in=spent_in, tokens_out=spent_out,
-            cost=sum(c.cost for c in calls), structured=response.extra.get("structured"),
-            system_fingerprint=response.extra.get("system_fingerprint"),
+            output=data, model=response.model, tokens_in=sum(c.tokens_in for c in calls),
+            tokens_out=sum(c.tokens_out for c in calls), cost=sum(c.cost for c in calls),
+            structured=response.extra.get("structured"), system_fingerprint=response.extra.get("system_fingerprint"),
             confidence=from_logprobs(response.text, response.token_logprobs, data) or None,
         )
         return Computed(entry=entry, calls=calls, attempts=len(calls),

@@ -191,13 +191,20 @@ class Stage(ABC):
                     raise Refusal("the model declined to answer", raw=text) from None
                 raise SchemaInvalid("the answer is not JSON", raw=text) from None
             data = found[0]
+        except (ValueError, RecursionError) as exc:  # an integer of 5,000 digits, arrays 1,000 deep
+            raise SchemaInvalid(f"the answer's JSON cannot be read: {str(exc)[:100]}", raw=text) from None
         try:
             output = self.output_model.model_validate(data)
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "answer"
             raise SchemaInvalid(f"{where}: {first['msg']}", raw=text) from exc
-        if (problem := value_problem(output.model_dump())) is not None:
+        try:
+            problem = value_problem(output.model_dump())
+            output.model_dump(mode="json")  # as the cache stores it
+        except (ValueError, RecursionError):  # pydantic's serializer refuses nesting past its limit
+            problem = "the answer nests too deep to store"
+        if problem is not None:
             raise SchemaInvalid(problem, raw=text)  # valid for pydantic, but not storable
         for validator in self.validators:
             if (problem := validator(output)) is not None:

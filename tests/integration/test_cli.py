@@ -119,3 +119,14 @@ pipeline = Pipeline("dlq", {source!r}, [Classify(["a", "b"], {instructions!r})],
     assert "documents read           │ 0" in again.output and counts(sqlite_url) == before  # type: ignore[attr-defined]
     status = invoke("status", url=sqlite_url).output  # type: ignore[attr-defined]
     assert "spent" in status and "saved" in status
+
+
+def test_status_on_a_store_a_newer_etl_migrated_says_to_upgrade_etl(sqlite_url: str) -> None:
+    from sqlalchemy import create_engine, text
+
+    assert invoke("db", "upgrade", url=sqlite_url).exit_code == 0  # type: ignore[attr-defined]
+    with create_engine(sqlite_url).begin() as conn:  # a revision this code has never heard of
+        conn.execute(text("UPDATE alembic_version SET version_num = '0099_from_a_newer_etl'"))
+    result = invoke("status", url=sqlite_url)
+    assert result.exit_code == 1, result.output  # type: ignore[attr-defined]
+    assert "newer than this etl" in result.output and "etl db upgrade" not in result.output, result.output  # type: ignore[attr-defined]

@@ -299,3 +299,60 @@ async def test_eval_answers_a_long_golden_document_in_chunks_as_a_run_does(sqlit
     assert run["accuracy"] == 1.0 and run["failed"] == 0
     # every chunk saw the vendor line and said ACME: the merged vendor's confidence is their agreement
     assert run["details"]["calibration"]["sources"] == {"agreement": 1}
+
+
+def _buggy(output: BaseModel) -> str | None:
+    raise TypeError("a validator's own bug")
+
+
+async def test_every_paid_answer_is_recorded_whatever_its_parse_raises(store_url: str) -> None:
+    """Found in review: an answer Python's json will not read (an integer of 5,000 digits raises
+    ValueError, not JSONDecodeError) or a validator that raises instead of answering left the paid
+    attempt out of llm_calls; a re-ask that did so lost its cost from the kept answer."""
+    from etl.validators import Check
+
+    text = "SHOP NUMBER 1\nTOTAL 12.50"
+    huge = '{"company": "SHOP NUMBER 1", "total": ' + "1" * 5000 + "}"
+    docs = [{"id": "digits", "text": text}]
+    llm = FakeLLM(lambda request: huge)
+    stats = await run_pipeline(pipeline(store_url, docs, Extract(Item, "Extract.", name="item")), llm=llm)
+    assert len(llm.calls) == stats.llm_calls == 2 and stats.dead_letters == 1  # re-asked once, then given up
+    assert rows(store_url, "SELECT outcome, error FROM llm_calls WHERE doc_key = 'digits' ORDER BY id") == [
+        ("repair", "schema_invalid"), ("failed", "schema_invalid")]
+
+    buggy = Extract(Item, "Extract.", name="checked", validators=[Check("buggy", _buggy)])
+    llm = FakeLLM(lambda request: {"company": "SHOP NUMBER 1", "total": 12.5})
+    stats = await run_pipeline(pipeline(store_url, [{"id": "bug", "text": text}], buggy), llm=llm)
+    assert len(llm.calls) == stats.llm_calls == 1 and stats.dead_letters == 1
+    assert rows(store_url, "SELECT outcome, error FROM llm_calls WHERE doc_key = 'bug'") == [("failed", "stage_error")]
+    assert rows(store_url, "SELECT reason FROM dead_letters WHERE doc_key = 'bug'") == [("stage_error",)]
+
+    def huge_when_asked_again(request: LLMRequest) -> Any:
+        return huge if len(request.messages) > 2 else {"company": "MADE UP", "total": 12.5}
+    llm = FakeLLM(huge_when_asked_again, price_per_mtok=(1.0, 1.0))
+    reask = Extract(Item, "Extract.", name="reasked", grounding="reask")
+    stats = await run_pipeline(pipeline(store_url, [{"id": "kept", "text": text}], reask), llm=llm)
+    assert len(llm.calls) == stats.llm_calls == 2 and stats.results_written == 1
+    paid = rows(store_url, "SELECT outcome, cost FROM llm_calls WHERE doc_key = 'kept' ORDER BY id")
+    assert [outcome for outcome, _ in paid] == ["ok", "repair"]
+    assert rows(store_url, "SELECT cost FROM llm_cache WHERE stage = 'reasked'") == [(sum(c for _, c in paid),)]
+    again = FakeLLM(huge_when_asked_again)
+    stats = await run_pipeline(pipeline(store_url, [{"id": "kept", "text": text}], reask), llm=again)
+    assert len(again.calls) == stats.results_written == 0  # a redelivery of the kept answer costs nothing
+
+
+async def test_upgrading_turns_a_json_null_confidence_into_sql_null(store_url: str) -> None:
+    """Revision 0013's code stored "no confidence" as JSON null, which ``IS NULL`` does not find."""
+    llm = FakeLLM(lambda request: {"company": "SHOP", "total": 1.0})
+    await run_pipeline(pipeline(store_url, [{"id": "r", "text": "SHOP\nTOTAL 1.00"}], Extract(Item, "E.", name="item")),
+                       llm=llm)
+    engine = create_engine(store_url)
+    postgres = engine.dialect.name == "postgresql"
+    with engine.begin() as conn:  # as that code left it, at that revision
+        conn.exec_driver_sql("UPDATE llm_cache SET confidence = " + ("'null'::jsonb" if postgres else "'null'"))
+        conn.exec_driver_sql("UPDATE alembic_version SET version_num = '0014'")
+    assert rows(store_url, "SELECT count(*) FROM llm_cache WHERE confidence IS NULL") == [(0,)]
+    result = CliRunner().invoke(app, ["db", "upgrade", "--db", store_url])
+    assert result.exit_code == 0, result.output
+    assert rows(store_url, "SELECT count(*) FROM llm_cache WHERE confidence IS NULL") == [(1,)]
+    engine.dispose()

@@ -148,3 +148,42 @@ def test_only_values_the_validated_answer_holds_unchanged_keep_a_confidence() ->
     assert set(from_logprobs(text, tokens)) == {"a", "b", "c", "gone\x00"}
     assert set(from_logprobs(text, tokens, {"a": "x", "b": "12.5", "c": 7})) == {"a", "b", "c"}
     assert set(from_logprobs(text, tokens, {"a": "y", "b": 12.6, "c": "8"})) == set()
+
+
+def test_booleans_and_nulls_keep_the_confidence_of_the_tokens_that_chose_them() -> None:
+    text = '{"paid": true, "note": null, "flag": false}'
+    tokens = [('{"paid": ', 0.0), ("true", math.log(0.6)), (', "note": ', 0.0), ("null", math.log(0.3)),
+              (', "flag": ', 0.0), ("false", math.log(0.9)), ("}", 0.0)]
+    got = from_logprobs(text, tokens, {"paid": True, "note": None, "flag": False})
+    assert {path: round(p, 9) for path, (p, _) in got.items()} == {"paid": 0.6, "note": 0.3, "flag": 0.9}
+    # a validator that turned a boolean into 1, or filled a null, changed what the model chose
+    assert from_logprobs(text, tokens, {"paid": 1, "note": "x", "flag": False}).keys() == {"flag"}
+
+
+def test_a_list_sorted_by_one_field_moves_its_items_other_fields_confidence_away() -> None:
+    # found by review: equal totals looked unchanged, so B's sure total was handed to A
+    text = '{"receipts": [{"company": "B", "total": 1.0}, {"company": "A", "total": 1.0}, {"company": "C", "total": 2}]}'
+    tokens = [(text, math.log(0.5))]
+    validated = {"receipts": [{"company": "A", "total": 1.0}, {"company": "B", "total": 1.0},
+                              {"company": "C", "total": 2}]}
+    assert set(from_logprobs(text, tokens, validated)) == {"receipts[2].company", "receipts[2].total"}
+    extra = '{"receipts": [{"company": "B", "note": "dropped by the schema"}]}'  # an unkept key moves nothing
+    assert set(from_logprobs(extra, [(extra, 0.0)], {"receipts": [{"company": "B"}]})) == {"receipts[0].company"}
+
+
+def test_a_repeated_key_s_overwritten_value_claims_nothing() -> None:
+    # found by review: {"a": {"x", "y"}, "a": {"x"}} gave a schema-filled a.y the first a.y's confidence
+    text = '{"a": {"x": 1, "y": 2}, "a": {"x": 3}}'
+    assert value_ranges(text).keys() == {"a.x"}
+    assert set(from_logprobs(text, [(text, 0.0)], {"a": {"x": 3, "y": 2}})) == {"a.x"}
+
+
+def test_an_answer_with_prose_after_its_json_gets_its_confidence() -> None:
+    text = '{"total": 12.5} Let me know if you need anything else.'
+    assert set(from_logprobs(text, [(text, math.log(0.9))], {"total": 12.5})) == {"total"}
+
+
+def test_an_answer_nested_past_the_stack_claims_nothing_rather_than_raising() -> None:
+    text = '{"extra": ' + "[" * 5000 + "1" + "]" * 5000 + "}"
+    assert from_logprobs(text, [(text, 0.0)]) == {}
+    assert value_ranges(text) == {}
