@@ -9,6 +9,7 @@ can, and say in ``structured`` whether it did.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -71,6 +72,11 @@ class LLM(ABC):
         retrying and ``OutputError`` subclasses when the answer itself is unusable. Nothing is
         committed for a document until every stage has answered, so a failure here loses nothing.
         """
+
+    def token_counter(self) -> Callable[[str], int] | None:
+        """The number of tokens the model reads a text as, where the backend knows its tokenizer
+        (sizes long documents' chunks); None: 4 characters a token is assumed."""
+        return None
 
     async def aclose(self) -> None:
         """Releases the model or connections; called once when the run ends (not after a crash)."""

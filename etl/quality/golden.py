@@ -30,7 +30,6 @@ from etl.quality.scoring import classification_scores, extraction_scores, normal
 from etl.runtime.decode import MAX_KEY, MAX_TENANT
 from etl.runtime.chunks import answer_in_chunks
 from etl.runtime.execute import ModelCalls, StageFailed, StagePlan
-from etl.stages.chunking import chunk
 from etl.stages import Classify
 from etl.storable import text_problem, value_problem
 from schemas import Document, Position
@@ -143,8 +142,7 @@ async def evaluate(engine: Engine, pipeline: Pipeline, llm: LLM, stage_name: str
             doc = Document(tenant=example["tenant"], key=example["doc_key"], content=example["content"],
                            content_hash=content_hash(example["content"]),
                            position=Position(stream="golden", offset=example["id"]))
-            parts = chunk(doc.content, plan.chunk_tokens, plan.stage.chunking.overlap_tokens) \
-                if plan.chunk_tokens is not None and plan.stage.chunking is not None else []
+            parts = plan.chunks(doc.content)
             async with gate:
                 try:
                     if len(parts) > 1:  # as a run answers it: in chunks

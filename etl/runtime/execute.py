@@ -31,7 +31,6 @@ from etl.runtime.chunks import attempts as count_attempts
 from etl.runtime.decode import Decoded
 from etl.storable import storable_text
 from etl.stages import Extract, Stage
-from etl.stages.chunking import chunk
 from etl.quality.router import Live, Students
 from etl.tenancy import ReviewSampling
 from schemas import CallRecord, DeadLetter, Document, Provenance, StageResult
@@ -215,8 +214,7 @@ class Executor:
                 if answered is not None:
                     shadow = (live, answered)  # also asked of the LLM, whose answer is stored
             if entry is None:
-                parts = chunk(document.content, plan.chunk_tokens, stage.chunking.overlap_tokens) \
-                    if plan.chunk_tokens is not None and stage.chunking is not None else []
+                parts = plan.chunks(document.content)
                 if len(parts) > 1:  # a long document: its chunks are the cache units
                     compute = functools.partial(answer_in_chunks, self.flights, self.calls, plan, document, key,
                                                 stage.chunks_to_ask(parts))

@@ -3,13 +3,14 @@ key answers by."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from dedup import cache_key, canonical_json, content_hash, sha256_hex, stage_fingerprint
 from etl.llm.base import LLM
 from etl.stages.base import Stage
-from etl.stages.chunking import estimate_tokens
+from etl.stages.chunking import Chunk, chunk, estimate_tokens
 
 #: The context assumed for a model that does not say its own (``LLM.context_tokens``).
 DEFAULT_CONTEXT = 4096
@@ -35,6 +36,9 @@ class StagePlan:
     chunk_fingerprint: str = ""
     #: Most tokens of document text per chunk; None: the stage reads every document whole.
     chunk_tokens: int | None = None
+    #: Tokens in a text: the model's own tokenizer where it has one (``LLM.token_counter``), else
+    #: an estimate of 4 characters a token.
+    count: Callable[[str], int] = estimate_tokens
 
     @classmethod
     def of(cls, stage: Stage, llm: LLM, repairs: int = 1) -> StagePlan:
@@ -43,12 +47,13 @@ class StagePlan:
         spec = {**stage.spec(), **model}
         fingerprint = stage_fingerprint(spec)
         chunking = getattr(stage, "chunking", None)
-        chunk_tokens = None
+        chunk_tokens, count = None, estimate_tokens
         if chunking is not None:
+            count = llm.token_counter() or estimate_tokens
             # the model's context less the fixed prompt and the answer's budget (and a margin for
             # the chat template's own tokens)
             chunk_tokens = chunking.max_tokens or max(
-                256, (llm.context_tokens or DEFAULT_CONTEXT) - estimate_tokens(spec["system"]) - stage.max_tokens - 64)
+                256, (llm.context_tokens or DEFAULT_CONTEXT) - count(spec["system"]) - stage.max_tokens - 64)
         return cls(
             stage=stage,
             llm=llm,
@@ -57,7 +62,16 @@ class StagePlan:
             schema_hash=sha256_hex(canonical_json(spec["schema"])),
             chunk_fingerprint=stage_fingerprint({**stage.chunk_spec(), **model}) if chunking else fingerprint,
             chunk_tokens=chunk_tokens,
+            count=count,
         )
+
+    def chunks(self, content: str) -> list[Chunk]:
+        """A document's chunks when the stage reads long documents in chunks (one when it fits),
+        else none: the stage reads it whole."""
+        chunking = getattr(self.stage, "chunking", None)
+        if self.chunk_tokens is None or chunking is None:
+            return []
+        return chunk(content, self.chunk_tokens, chunking.overlap_tokens, self.count)
 
     def key(self, document: Keyed) -> str:
         return cache_key(document.tenant, self.fingerprint, document.content_hash)
