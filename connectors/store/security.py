@@ -99,13 +99,16 @@ def grant_review_writes(conn: Connection) -> None:
 
 
 def is_reviewer(conn: Connection, role: str) -> bool:
-    """Whether ``role`` may write verdicts (a member of the reviewer group, or the tables' owner)."""
-    if conn.execute(text("SELECT tableowner = :r FROM pg_tables WHERE tablename = 'review_queue' "
-                         "AND schemaname = current_schema()"), {"r": role}).scalar():
-        return True
+    """Whether ``role`` may sign in to the review page: a member of the reviewer group whose reads
+    row-level security limits. Not the tables' owner nor a member of it, a superuser, or a role that
+    bypasses row-level security: those see every tenant (they review with ``etl review import``)."""
     if not role_exists(conn, REVIEWER_ROLE):
         return False
-    return bool(conn.execute(text("SELECT pg_has_role(:r, :g, 'USAGE')"), {"r": role, "g": REVIEWER_ROLE}).scalar())
+    return bool(conn.execute(text(
+        "SELECT pg_has_role(:r, :g, 'USAGE') AND NOT r.rolsuper AND NOT r.rolbypassrls "
+        "AND NOT EXISTS (SELECT FROM pg_tables t WHERE t.tablename = 'review_queue' "
+        "                AND t.schemaname = current_schema() AND pg_has_role(:r, t.tableowner, 'USAGE')) "
+        "FROM pg_roles r WHERE r.rolname = :r"), {"r": role, "g": REVIEWER_ROLE}).scalar())
 
 
 def protect_grants(conn: Connection) -> None:

@@ -243,10 +243,16 @@ def review_serve(pipeline: PipelineArg,
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     hosts = [host, "127.0.0.1", "localhost", "[::1]", *(allow_host or [])]
-    app = create_app(loaded, url, allowed_hosts=hosts, local_token=token)
-    link = f"http://{shown}:{bound}/" + (f"login?token={token}" if token else "login")
+    origin = f"http://{shown}:{bound}/"
+
+    def next_link(fresh: str) -> None:
+        out.print(f"that link was used; the next sign-in: {origin}login?token={fresh}", soft_wrap=True)
+
+    app = create_app(loaded, url, allowed_hosts=hosts, local_token=token, new_token=next_link)
+    link = origin + (f"login?token={token}" if token else "login")
     out.print(f"reviewing {loaded.name} in {safe_url(url)} at {link}" + (
-        "  (sign in with your PostgreSQL login)" if postgres else "  (this link lets the local user in)"), soft_wrap=True)
+        "  (sign in with your PostgreSQL login)" if postgres else "  (this link lets the local user in, once)"),
+        soft_wrap=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
     server.run(sockets=[sock])
 

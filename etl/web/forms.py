@@ -95,8 +95,12 @@ def read(model: type[BaseModel], form: dict[str, str]) -> tuple[dict[str, Any] |
             problems.setdefault(where, f"{'.'.join(map(str, error['loc'][1:])) + ': ' if len(error['loc']) > 1 else ''}"
                                        f"{error['msg']}")
         return None, problems
-    answer = {k: v for k, v in validated.model_dump(mode="json").items() if k not in NOT_CORRECTED}
-    if (problem := value_problem(answer, "corrected")) is not None:  # as `etl review import` checks a file's
+    try:
+        answer = {k: v for k, v in validated.model_dump(mode="json").items() if k not in NOT_CORRECTED}
+        problem = value_problem(answer, "corrected")
+    except (ValueError, RecursionError):  # pydantic's serializer refuses nesting past its limit
+        problem = "nested too deep to store"
+    if problem is not None:  # as `etl review import` checks a file's
         return None, {"answer": problem}
     return answer, {}
 
@@ -134,3 +138,5 @@ def _value(field: Field, raw: str) -> Any:
         return json.loads(text)
     except ValueError as exc:
         raise ValueError(f"not JSON: {getattr(exc, 'msg', exc)}") from None
+    except RecursionError:
+        raise ValueError("JSON nested too deep") from None

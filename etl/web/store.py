@@ -31,9 +31,13 @@ class Filters:
 
     @classmethod
     def of(cls, params: Any) -> Filters:
+        """From a query string; a value no stored row can hold (a NUL) filters nothing."""
+        def value(name: str, limit: int) -> str:
+            given = str(params.get(name, ""))[:limit]
+            return "" if "\x00" in given else given
+
         status = params.get("status", "open")
-        return cls(str(params.get("tenant", ""))[:200], str(params.get("stage", ""))[:200],
-                   str(params.get("reason", ""))[:20], status if status in STATUSES else "open")
+        return cls(value("tenant", 200), value("stage", 200), value("reason", 20), status if status in STATUSES else "open")
 
     def query(self) -> str:
         from urllib.parse import urlencode  # noqa: PLC0415

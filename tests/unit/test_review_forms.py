@@ -40,3 +40,10 @@ def test_a_correction_is_validated_and_what_the_store_cannot_hold_is_refused() -
     # (PostgreSQL's JSONB refuses it); the same check as `etl review import`'s now refuses it
     answer, problems = read(Receipt, {**good, "f.company": "A\x00B"})
     assert answer is None and "corrected" in problems["answer"]
+
+
+def test_a_correction_nested_past_the_stack_is_refused_beside_its_field() -> None:
+    # found by the security review: 2,000 levels of JSON raised RecursionError, a 500 page
+    good = {"f.company": "ACME", "f.total": "", "f.items": "3", "f.currency": "USD", "f.paid": "true"}
+    answer, problems = read(Receipt, {**good, "f.lines": "[" * 2000 + "]" * 2000})
+    assert answer is None and "nested too deep" in problems["lines"]
