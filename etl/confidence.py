@@ -111,17 +111,23 @@ def value_ranges(text: str) -> dict[str, tuple[int, int]]:
 
 def embedded_object(text: str) -> tuple[dict[str, Any], int, int] | None:
     """The first JSON object inside prose ("Sure! Here it is: {...} Hope that helps") and where it
-    starts and ends, or None."""
+    starts and ends, or None. Never an object nested in a broken one: after a brace that does not
+    start valid JSON the search resumes past where decoding failed (a truncated answer's inner
+    object is not the answer), and an object Python's json will not read (5,000 digits, nesting past
+    the stack) ends the search."""
     decoder = json.JSONDecoder()
     start = text.find("{")
     while start != -1:
         try:
             value, end = decoder.raw_decode(text, start)
-            if isinstance(value, dict):
-                return value, start, end
-        except (ValueError, RecursionError):  # not JSON from here, or JSON Python will not read
-            pass
-        start = text.find("{", start + 1)
+        except json.JSONDecodeError as exc:
+            start = text.find("{", max(start + 1, exc.pos))
+            continue
+        except (ValueError, RecursionError):
+            return None
+        if isinstance(value, dict):
+            return value, start, end
+        start = text.find("{", start + 1)  # pragma: no cover - a "{" decodes to a dict or fails
     return None
 
 

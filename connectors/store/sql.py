@@ -128,6 +128,14 @@ def migrate(conn: Connection) -> None:
 
     if conn.dialect.name == "postgresql":
         conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK})")
+    from alembic.runtime.migration import MigrationContext  # noqa: PLC0415
+    from alembic.script import ScriptDirectory  # noqa: PLC0415
+
+    script = ScriptDirectory(str(MIGRATIONS))
+    current = MigrationContext.configure(conn).get_current_revision()
+    if current is not None and current not in {revision.revision for revision in script.walk_revisions()}:
+        raise ValueError(f"the store's tables are at revision {current}, newer than this etl's "
+                         f"{script.get_current_head()}: upgrade etl (pip install -U idem-etl) to use them")
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
     config.attributes["connection"] = conn

@@ -251,6 +251,10 @@ class ModelCalls:
                                                   "retry" if exc.retryable else "failed", 0, 0, 0.0,
                                                   (time.perf_counter() - t0) * 1000, error=exc.reason))
                         raise
+                    except Exception:  # a reply the backend could not read (a provider's malformed 200): sent, maybe billed
+                        calls.append(record(document, stage, key, llm.model_id, "failed", 0, 0, 0.0,
+                                            (time.perf_counter() - t0) * 1000, error="stage_error"))
+                        raise
                     calls += _unanswered(document, stage, key, llm.model_id, response.unanswered)
                     return _within_columns(response, (time.perf_counter() - t0) * 1000)
         except LLMError:

@@ -16,12 +16,13 @@ from typing import Any
 
 from connectors.store import CacheEntry
 from dedup import SingleFlight
-from etl.errors import SchemaInvalid
+from etl.errors import SchemaInvalid, SemanticInvalid, StageError
 from etl.formats import page_of
 from etl.runtime.calls import Computed, ModelCalls, StageFailed, record
 from etl.stages import StagePlan
 from etl.stages.chunking import Chunk
 from etl.stages.merge import merge_with_origins, merged_confidence
+from etl.storable import value_problem
 from schemas import CallRecord, Document
 
 
@@ -79,10 +80,23 @@ async def answer_in_chunks(flights: SingleFlight[Computed], calls: ModelCalls, p
     merged, origins = merge_with_origins(answers, plan.stage.rules)
     confidence = merged_confidence(answers, [e.confidence for e in entries], merged, origins, plan.stage.rules)
     try:
-        output = plan.stage.output_model.model_validate(plan.stage.merged(merged, confidence)).model_dump(mode="json")
-    except ValueError as exc:  # the chunks' answers are valid, their merge is not (a rule the schema refuses)
+        validated = plan.stage.output_model.model_validate(plan.stage.merged(merged, confidence))
+        output = validated.model_dump(mode="json")
+        problem = value_problem(validated.model_dump())
+    except (ValueError, RecursionError) as exc:  # the chunks' answers are valid, their merge is not
         raise StageFailed(SchemaInvalid(f"the merged answer of {len(parts)} chunks: {str(exc)[:300]}"), paid,
                           tuple(fresh)) from exc
+    if problem is not None:
+        raise StageFailed(SchemaInvalid(f"the merged answer of {len(parts)} chunks: {problem}"), paid, tuple(fresh))
+    # the stage's validators judge the document's answer too, not only each chunk's (invariant 4)
+    for validator in plan.stage.validators:
+        try:
+            problem = validator(validated)
+        except Exception as exc:  # a validator's own bug: the chunks stay paid for and cached
+            raise StageFailed(StageError(f"{type(exc).__name__}: {str(exc)[:300]}"), paid, tuple(fresh)) from exc
+        if problem is not None:
+            raise StageFailed(SemanticInvalid(f"the merged answer of {len(parts)} chunks: {problem}"), paid,
+                              tuple(fresh))
     entry = CacheEntry(cache_key=key, tenant=document.tenant, stage=stage, fingerprint=plan.fingerprint, output=output,
                        model=entries[0].model, tokens_in=sum(e.tokens_in for e in entries),
                        tokens_out=sum(e.tokens_out for e in entries), cost=sum(e.cost for e in entries),

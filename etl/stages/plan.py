@@ -50,10 +50,13 @@ class StagePlan:
         chunk_tokens, count = None, estimate_tokens
         if chunking is not None:
             count = llm.token_counter() or estimate_tokens
-            # the model's context less the fixed prompt and the answer's budget (and a margin for
-            # the chat template's own tokens)
+            # the model's context less the fixed prompt (instructions and the user template around the
+            # text), the answer's budget, each re-ask's room (the answer it repeats and the complaint)
+            # and a margin for the chat template's own tokens
+            prompt = count(spec["system"]) + count(spec["user"])
             chunk_tokens = chunking.max_tokens or max(
-                256, (llm.context_tokens or DEFAULT_CONTEXT) - count(spec["system"]) - stage.max_tokens - 64)
+                256, (llm.context_tokens or DEFAULT_CONTEXT) - prompt - stage.max_tokens * (1 + repairs)
+                - 128 * repairs - 64)
         return cls(
             stage=stage,
             llm=llm,

@@ -42,7 +42,7 @@ from urllib.parse import parse_qs
 import structlog
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
 from sqlalchemy.pool import NullPool
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -128,33 +128,43 @@ class Sessions:
 
 
 class Throttle:
-    """Failed sign-ins per login name and per client address in the last ``WINDOW_S``: past
-    ``FAILURES`` (``CLIENT_FAILURES``) of them the next attempt is refused unchecked, so guessing a
-    login's password runs at 5 a minute."""
+    """Sign-in attempts per login name and per client address in the last ``WINDOW_S``. An attempt
+    is counted when it starts (checked and recorded under one lock, so concurrent guesses cannot all
+    pass before the first fails) and forgotten if it succeeds; past ``FAILURES``
+    (``CLIENT_FAILURES``) the next is refused unchecked, so guessing a login's password runs at 5 a
+    minute. Keys whose attempts are all older than the window are dropped; while more than
+    ``MAX_KEYS`` keys are live (a flood of names) every new attempt is refused rather than any
+    login's count forgotten."""
+
+    MAX_KEYS = 100_000
 
     def __init__(self) -> None:
-        self._failures: dict[str, list[float]] = {}
+        self._attempts: dict[str, list[float]] = {}
         self._lock = threading.Lock()
 
-    def blocked(self, login: str, client: str) -> bool:
+    def begin(self, login: str, client: str) -> float | None:
+        """The attempt's mark, to pass to :meth:`succeeded`; None: refused (too many)."""
         now = time.monotonic()
+        keys = ((f"login:{login}", FAILURES), (f"client:{client}", CLIENT_FAILURES))
         with self._lock:
-            for key, most in ((f"login:{login}", FAILURES), (f"client:{client}", CLIENT_FAILURES)):
-                recent = [t for t in self._failures.get(key, []) if now - t < WINDOW_S]
-                if recent:
-                    self._failures[key] = recent
-                else:
-                    self._failures.pop(key, None)
+            if len(self._attempts) > self.MAX_KEYS:
+                self._attempts = {k: v for k, v in self._attempts.items() if now - v[-1] < WINDOW_S}
+                if len(self._attempts) > self.MAX_KEYS:
+                    return None
+            for key, most in keys:
+                recent = [t for t in self._attempts.get(key, []) if now - t < WINDOW_S]
+                self._attempts[key] = recent
                 if len(recent) >= most:
-                    return True
-            return False
+                    return None
+            for key, _ in keys:
+                self._attempts[key].append(now)
+            return now
 
-    def failed(self, login: str, client: str) -> None:
+    def succeeded(self, login: str, client: str, mark: float) -> None:
         with self._lock:
-            if len(self._failures) > 100_000:  # a flood of names: forget them rather than grow
-                self._failures.clear()
             for key in (f"login:{login}", f"client:{client}"):
-                self._failures.setdefault(key, []).append(time.monotonic())
+                if mark in self._attempts.get(key, []):
+                    self._attempts[key].remove(mark)
 
 
 def same(given: str, expected: str) -> bool:
@@ -282,12 +292,12 @@ def create_app(pipeline: Pipeline, db_url: str, *, allowed_hosts: list[str], loc
         if not same(form.get("csrf", ""), sent):
             return refused(request, None, 403, "The sign-in form expired or was not this app's: open /login again.")
         user, password = form.get("user", "")[:200], form.get("password", "")
-        if throttle.blocked(user, client):
+        mark = throttle.begin(user, client)
+        if mark is None:
             log.warning("review sign-in throttled", login=user, client=client)
             return refused(request, None, 429, "Too many failed sign-ins: wait a minute and try again.")
         session = await _connect(db_url, user, password)
         if session is None:
-            throttle.failed(user, client)
             fresh = nonce()
             response = page(request, "login.html", None, 401, nonce=fresh,
                             problem="Sign-in refused: check the login and password, and that the owner ran "
@@ -295,6 +305,7 @@ def create_app(pipeline: Pipeline, db_url: str, *, allowed_hosts: list[str], loc
                                     "owner and superusers review with `etl review import`).")
             cookie(request, response, LOGIN_COOKIE, fresh)
             return response
+        throttle.succeeded(user, client, mark)
         log.info("review sign-in", login=session.login)
         return signed_in(request, RedirectResponse("/", 303), session)
 
@@ -430,13 +441,20 @@ def create_app(pipeline: Pipeline, db_url: str, *, allowed_hosts: list[str], loc
         response.delete_cookie(COOKIE, path="/")
         return response
 
+    async def read_refused(request: Request, exc: Exception) -> Response:
+        """The database refused this login a read or write it used to allow (a grant or the
+        reviewer role revoked since sign-in): a page that says so, not a 500."""
+        log.warning("review request refused by the database", error=str(exc).splitlines()[0][:200])
+        return refused(request, current(request), 403, "The database refused your login this page (a grant may have "
+                                                       "been revoked): nothing was recorded.")
+
     routes = [
         Route("/", queue), Route("/login", login, methods=["GET", "POST"]), Route("/logout", logout, methods=["POST"]),
         Route("/signed-out", signed_out), Route("/items/{item_id}", show, methods=["GET"]),
         Route("/items/{item_id}", decide, methods=["POST"]), Route("/quality", quality), Route("/report", report),
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
     ]
-    return Starlette(routes=routes, exception_handlers={OperationalError: connection_refused}, middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts),
+    return Starlette(routes=routes, exception_handlers={OperationalError: connection_refused, ProgrammingError: read_refused}, middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts),
                                                 Middleware(Headers)])
 
 

@@ -327,6 +327,14 @@ async def test_every_paid_answer_is_recorded_whatever_its_parse_raises(store_url
     assert rows(store_url, "SELECT outcome, error FROM llm_calls WHERE doc_key = 'bug'") == [("failed", "stage_error")]
     assert rows(store_url, "SELECT reason FROM dead_letters WHERE doc_key = 'bug'") == [("stage_error",)]
 
+    def unreadable(request: LLMRequest) -> Any:  # a provider's 200 the backend could not read
+        raise AttributeError("'str' object has no attribute 'get'")
+    llm = FakeLLM(unreadable)
+    stats = await run_pipeline(pipeline(store_url, [{"id": "unread", "text": text}], Extract(Item, "E.", name="u")),
+                               llm=llm)
+    assert len(llm.calls) == stats.llm_calls == 1 and stats.dead_letters == 1
+    assert rows(store_url, "SELECT outcome, error FROM llm_calls WHERE doc_key = 'unread'") == [("failed", "stage_error")]
+
     def huge_when_asked_again(request: LLMRequest) -> Any:
         return huge if len(request.messages) > 2 else {"company": "MADE UP", "total": 12.5}
     llm = FakeLLM(huge_when_asked_again, price_per_mtok=(1.0, 1.0))

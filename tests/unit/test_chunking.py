@@ -3,12 +3,23 @@ tokens whatever its tokenizer, and an edit re-keys only the chunks near it."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import json
 from collections.abc import Callable
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import BaseModel
 
-from etl.stages.chunking import chunk, estimate_tokens
+from dedup import SingleFlight, content_hash
+from etl import Extract
+from etl.llm.base import LLM, LLMRequest, LLMResponse
+from etl.runtime.calls import ModelCalls, StageFailed
+from etl.runtime.chunks import answer_in_chunks
+from etl.stages import StagePlan
+from etl.stages.chunking import Chunking, chunk, estimate_tokens
+from schemas import Document, Position
 
 #: Counters standing in for tokenizers that read fewer characters a token than the estimate
 #: (SmolLM2 reads receipts at about 1.6): the chunks must fit the count the model makes.
@@ -48,3 +59,64 @@ def test_an_edited_paragraph_re_keys_only_the_chunks_near_it(paragraphs: list[st
     after = chunk("\n\n".join(edited), 128, 0, count)
     new = [p for p in after if p.text not in {q.text for q in before}]
     assert len(new) <= 3, (len(before), len(after), len(new))
+
+
+class _Dense(LLM):
+    """A model that reads a character a token (denser than the estimate) in a 2,048-token context."""
+
+    model_id, params, context_tokens = "dense", {}, 2048
+
+    def token_counter(self) -> Callable[[str], int]:
+        return len
+
+    async def generate(self, request: LLMRequest) -> LLMResponse:
+        digest = hashlib.sha256(request.messages[-1]["content"].encode()).hexdigest()
+        return LLMResponse(text=json.dumps({"items": [digest[:6], digest[6:12]]}), model="dense", tokens_in=1,
+                           tokens_out=1)
+
+
+def test_a_chunk_and_its_re_ask_fit_the_context_whatever_the_user_template() -> None:
+    # found by review: the budget left out the user template and the re-ask's repeated answer, so a
+    # chunk that filled its budget overflowed the context on a repair (or at once, with a template)
+    class Items(BaseModel):
+        items: list[str]
+
+    class Templated(Extract):
+        def user_template(self) -> str:
+            return "Read this carefully, line by line, and answer in JSON.\n" * 10 + "{content}"
+
+    for stage in (Extract(Items, "Extract the items.", chunking=Chunking()),
+                  Templated(Items, "Extract the items.", chunking=Chunking())):
+        llm = _Dense()
+        plan = StagePlan.of(stage, llm)
+        text = "\n\n".join(f"item {n}: " + "x" * 300 for n in range(40))
+        biggest = max(plan.chunks(text), key=lambda p: len(p.text))
+        document = Document(tenant="t", key="k", content=biggest.text, content_hash="h",
+                            position=Position(stream="s", offset=0))
+        request = LLMRequest(messages=stage.render(document), json_schema=None, max_tokens=stage.max_tokens)
+        repaired = stage.repair(request, "x" * stage.max_tokens, "a problem of about a line, said to the model")
+        used = sum(len(m["content"]) for m in repaired.messages) + stage.max_tokens
+        assert used <= llm.context_tokens, (type(stage).__name__, used)
+
+
+def test_a_long_document_s_merged_answer_meets_the_stage_s_validators() -> None:
+    # found by review: each chunk's answer was validated, the document's merged one only by the schema
+    class Items(BaseModel):
+        items: list[str]
+
+    def at_most_two(output: Items) -> str | None:
+        return None if len(output.items) <= 2 else f"{len(output.items)} items: at most 2"
+
+    stage = Extract(Items, "Extract the items.", chunking=Chunking(max_tokens=64), validators=[at_most_two])
+    plan = StagePlan.of(stage, _Dense())
+    text = "".join(f"paragraph {n} " + "word " * 60 + "\n\n" for n in range(4))
+    document = Document(tenant="t", key="k", content=text, content_hash=content_hash(text),
+                        position=Position(stream="s", offset=0))
+    parts = plan.chunks(text)
+    try:
+        asyncio.run(answer_in_chunks(SingleFlight(), ModelCalls(), plan, document, plan.key(document), parts))
+    except StageFailed as failed:
+        assert failed.reason == "semantic_invalid" and "at most 2" in str(failed)
+        assert len(failed.cache) == len({p.text for p in parts})  # each distinct chunk stays paid for and cached
+    else:
+        raise AssertionError("a merged answer of more than two items passed a validator allowing two")

@@ -187,3 +187,14 @@ def test_an_answer_nested_past_the_stack_claims_nothing_rather_than_raising() ->
     text = '{"extra": ' + "[" * 5000 + "1" + "]" * 5000 + "}"
     assert from_logprobs(text, [(text, 0.0)]) == {}
     assert value_ranges(text) == {}
+
+
+def test_an_object_nested_in_a_broken_one_is_never_taken_for_the_answer() -> None:
+    # found by review: with prose before it, an outer object Python will not read (5,000 digits) or
+    # a truncated one made the scan take the inner object: coffee at 99 for an answer of tea at 2.5
+    from etl.confidence import embedded_object
+
+    inner = '{"name": "coffee", "price": 99.0}'
+    assert embedded_object('Sure: {"name": "tea", "price": ' + "2" * 5000 + ', "alt": ' + inner + "}") is None
+    assert embedded_object('Sure: {"name": "tea", "price": 2.5, "alt": ' + inner) is None  # truncated
+    assert embedded_object("Use {name} as the key: " + inner)[0] == {"name": "coffee", "price": 99.0}  # type: ignore[index]
