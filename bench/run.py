@@ -22,7 +22,7 @@ from sqlalchemy import create_engine, text
 
 from bench import long_docs
 from bench.common import POSTGRES, ROOT, RUNS, log
-from bench.sections import batch, capacity, cold, constrained, dedup, memory, quix, replay, router, store
+from bench.sections import batch, capacity, cold, constrained, dedup, memory, quix, replay, router, store, workers
 from etl.log import configure
 
 
@@ -86,7 +86,8 @@ def write(sections: dict[str, dict[str, Any]]) -> Path:
 SECTIONS = {"replay": replay.replay_figures, "cold": cold.cold_figures, "dedup": dedup.dedup_figures,
             "constrained": constrained.constrained_figures, "memory": memory.memory_figures, "batch": batch.batch_figures,
             "router": router.router_figures, "store": store.store_figures, "quix": quix.quix_figures,
-            "capacity": capacity.capacity_figures, "long": lambda: long_docs.figures(RUNS)}
+            "capacity": capacity.capacity_figures, "long": lambda: long_docs.figures(RUNS),
+            "workers": workers.workers_figures}
 
 
 def main() -> None:

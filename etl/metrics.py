@@ -1,10 +1,15 @@
-"""Prometheus metrics for ``etl run --metrics-port``. Labels never carry document content."""
+"""Prometheus metrics for ``etl run --metrics-port``. Labels never carry document content.
+
+Every series is labelled with its pipeline and ``worker`` (``ETL_WORKER``: the child's number
+under ``etl run --workers N``, else 0); children write them to ``PROMETHEUS_MULTIPROC_DIR`` and the
+supervisor serves them merged."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from connectors.store import DocumentOutcome
 
@@ -12,9 +17,10 @@ from connectors.store import DocumentOutcome
 class Metrics:
     """The runner's counters, updated after each store commit (so they count committed work)."""
 
-    def __init__(self, pipeline: str, registry: CollectorRegistry = REGISTRY) -> None:
+    def __init__(self, pipeline: str, registry: CollectorRegistry = REGISTRY, worker: str | None = None) -> None:
         self.pipeline = pipeline
-        labels = ["pipeline"]
+        self.worker = worker if worker is not None else os.environ.get("ETL_WORKER", "0")
+        labels = ["pipeline", "worker"]
         self.messages = Counter("etl_messages_total", "Messages read from the source", labels, registry=registry)
         self.results = Counter("etl_results_written_total", "Stage results committed", labels, registry=registry)
         self.cache_hits = Counter("etl_cache_hits_total", "Stage runs served without a model call "
@@ -26,29 +32,24 @@ class Metrics:
         self.dead_letters = Counter("etl_dead_letters_total", "Dead letters by reason", [*labels, "reason"],
                                     registry=registry)
         self.in_flight = Gauge("etl_in_flight", "Documents dispatched and not yet committed", labels,
-                               registry=registry)
+                               registry=registry, multiprocess_mode="livesum")
         self.lag = Gauge("etl_lag_messages", "End offset minus committed position", [*labels, "stream", "partition"],
-                         registry=registry)
+                         registry=registry, multiprocess_mode="livemax")
 
     def committed(self, outcomes: Iterable[DocumentOutcome], messages: int, hits: int, in_flight: int) -> None:
-        p = self.pipeline
-        self.messages.labels(p).inc(messages)
-        self.cache_hits.labels(p).inc(hits)
-        self.in_flight.labels(p).set(in_flight)
+        p = (self.pipeline, self.worker)
+        self.messages.labels(*p).inc(messages)
+        self.cache_hits.labels(*p).inc(hits)
+        self.in_flight.labels(*p).set(in_flight)
         for outcome in outcomes:
-            self.results.labels(p).inc(len(outcome.results))
+            self.results.labels(*p).inc(len(outcome.results))
             if outcome.dead_letter is not None:
-                self.dead_letters.labels(p, outcome.dead_letter.reason).inc()
+                self.dead_letters.labels(*p, outcome.dead_letter.reason).inc()
             for call in outcome.calls:
-                self.llm_calls.labels(p, call.stage, call.outcome).inc()
+                self.llm_calls.labels(*p, call.stage, call.outcome).inc()
                 if call.outcome != "cache_hit":
-                    self.llm_latency.labels(p, call.stage).observe(call.latency_ms / 1000)
+                    self.llm_latency.labels(*p, call.stage).observe(call.latency_ms / 1000)
 
     def set_lag(self, lag: Mapping[tuple[str, int], int]) -> None:
         for (stream, partition), value in lag.items():
-            self.lag.labels(self.pipeline, stream, str(partition)).set(value)
-
-
-def serve(port: int) -> None:
-    """Serves /metrics on 127.0.0.1:port from a background thread."""
-    start_http_server(port, addr="127.0.0.1")
+            self.lag.labels(self.pipeline, self.worker, stream, str(partition)).set(value)

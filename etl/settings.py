@@ -48,5 +48,13 @@ class Settings(BaseSettings):
         default_factory=dict,
         description='USD per million (input, output) tokens by model id, e.g. {"gpt-4o-mini@https://...": [0.15, 0.6]}.',
     )
+    metrics_port: int | None = Field(
+        default=None, ge=0, le=65535,
+        description="`etl run`: serve /healthz, /readyz and /metrics on this port (same as --metrics-port).")
+    metrics_host: str = Field(default="127.0.0.1", description="The address the probe port listens on (0.0.0.0 in a container).")
+    drain_timeout_s: float = Field(
+        default=30.0, gt=0,
+        description="After SIGTERM: longest wait for in-flight documents to finish and commit before exiting anyway "
+                    "(what was not committed is redelivered); keep it below Kubernetes' terminationGracePeriodSeconds.")
     log_level: str = Field(default="warning", description="debug, info, warning or error.")
     log_json: bool = Field(default=False, description="JSON log lines (production) instead of console lines.")

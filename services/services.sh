@@ -4,6 +4,7 @@
 #   stop               stop both cleanly                 env      print the exports (for eval)
 #   restart-kafka      stop + start, keeping data; returns once usable again
 #   restart-postgres   same for PostgreSQL               status   say what is up
+#   stop-postgres, start-postgres   one at a time (a test of what a worker does while it is down)
 # State (data, logs, pids): ${ETL_SERVICES_DIR:-/tmp/idem-etl-services}. Ports: ETL_KAFKA_PORT (19092;
 # controller +1, or ETL_KAFKA_CONTROLLER_PORT), ETL_PG_PORT (25432). Only the exports go to stdout.
 set -euo pipefail
@@ -216,9 +217,11 @@ case "${1:-}" in
   stop)             lock; stop_kafka; stop_postgres ;;
   restart-kafka)    lock; stop_kafka; launch_kafka; wait_kafka ;;
   restart-postgres) lock; stop_postgres; start_postgres ;;
+  stop-postgres)    lock; stop_postgres ;;
+  start-postgres)   lock; start_postgres ;;
   env)              print_env ;;
   status)
     echo "kafka 127.0.0.1:$KAFKA_PORT: $(up eval 'kafka_pid >/dev/null && port_open "$KAFKA_PORT"')"
     echo "postgres 127.0.0.1:$PG_PORT: $(up "$PGBIN/pg_isready" -q -h 127.0.0.1 -p "$PG_PORT")" ;;
-  *) echo "usage: $0 start|stop|env|status|restart-kafka|restart-postgres" >&2; exit 2 ;;
+  *) echo "usage: $0 start|stop|env|status|restart-kafka|restart-postgres|stop-postgres|start-postgres" >&2; exit 2 ;;
 esac

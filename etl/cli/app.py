@@ -19,7 +19,7 @@ from etl.cli.batches import register as register_batches
 from etl.cli.quality import register as register_quality
 from etl.cli.retention import register as register_retention
 from etl.cli.router import register as register_router
-from etl.cli.support import DbOption, PipelineArg, console, out, table_of
+from etl.cli.support import DbOption, PipelineArg, console, out, summary, table_of
 from etl.cli.support import fail as _fail
 from etl.cli.support import safe_url as _safe
 from etl.errors import EtlError
@@ -37,16 +37,40 @@ app.add_typer(dlq_app, name="dlq")
 def run(
     pipeline: PipelineArg,
     db: DbOption = None,
-    metrics_port: Annotated[int | None, typer.Option(help="Serve Prometheus metrics on 127.0.0.1:PORT.")] = None,
+    metrics_port: Annotated[int | None, typer.Option(
+        help="Serve /healthz, /readyz and /metrics on this port (ETL_METRICS_PORT; host: ETL_METRICS_HOST, "
+             "default 127.0.0.1).")] = None,
     stop_when_idle: Annotated[float | None, typer.Option(
         help="Stop once no message arrived for this many seconds while this worker holds partitions (Kafka sources never end by themselves).")] = None,
     batch: Annotated[bool, typer.Option("--batch", help=(
         "Send model calls through the provider's Batch API (half price, answers within 24 h); "
         "killed and run again, it resumes the batches it sent."))] = False,
+    workers: Annotated[str, typer.Option(help=(
+        "Worker processes in the consumer group (Kafka sources): a number, or auto (one per core). A crashed "
+        "one is restarted; SIGTERM drains them all."))] = "1",
 ) -> None:
     """Run PIPELINE until its source ends (files) or a signal (Kafka). Re-running is free: processed
-    documents are no-ops. SIGTERM/SIGINT drain in-flight work and commit; a second one exits at once."""
+    documents are no-ops. SIGTERM/SIGINT drain in-flight work and commit within ETL_DRAIN_TIMEOUT_S
+    (30 s); a second one, or the deadline, exits at once (what was not committed is redelivered)."""
+    count = _workers(workers)
+    if count > 1:
+        from etl.cli.workers import supervise  # noqa: PLC0415
+
+        supervise(pipeline, db, metrics_port, stop_when_idle, batch, count)
+        return
     _run(pipeline, db, metrics_port, stop_when_idle, replay=False, since=None, batch=batch)
+
+
+def _workers(given: str) -> int:
+    if given == "auto":
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        count = int(given)
+    except ValueError:
+        count = 0
+    if not 1 <= count <= 256:
+        _fail(f"--workers {given!r}: give a number from 1 to 256, or auto")
+    return count
 
 
 @app.command()
@@ -101,12 +125,17 @@ def dlq_replay(
 
 def _run(pipeline: str, db: str | None, metrics_port: int | None, stop_when_idle: float | None, *,
          replay: bool, since: datetime | None, dead_letters: str | None = None, batch: bool = False) -> None:
-    from etl.metrics import Metrics, serve  # noqa: PLC0415
+    from etl.health import Probe, registry_metrics, serve, store_check  # noqa: PLC0415
+    from etl.metrics import Metrics  # noqa: PLC0415
     from etl.pipeline import load_pipeline  # noqa: PLC0415
     from etl.runtime.wiring import build_runner, database_url, replay_source  # noqa: PLC0415
 
     settings = Settings()
     configure(settings.log_level, settings.log_json)
+    metrics_port = metrics_port if metrics_port is not None else settings.metrics_port
+    status_file = os.environ.get("ETL_WORKER_STATUS")  # a child of `etl run --workers N`: report to it
+    if status_file:
+        _die_with_supervisor()
     try:
         loaded = load_pipeline(pipeline)
         url = db or database_url(loaded, settings)
@@ -118,12 +147,12 @@ def _run(pipeline: str, db: str | None, metrics_port: int | None, stop_when_idle
 
             loaded.source = DeadLetterSource(make_engine(url), loaded.name, dead_letters or None,
                                              loaded.source.value_format)
-        metrics = None
+        probe = Probe()
+        metrics = Metrics(loaded.name) if metrics_port is not None or os.environ.get("PROMETHEUS_MULTIPROC_DIR") else None
         if metrics_port is not None:
-            metrics = Metrics(loaded.name)
-            serve(metrics_port)
+            serve(metrics_port, settings.metrics_host, probe.alive, probe.ready, store_check(url), registry_metrics)
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                      console=console, transient=False) as progress:
+                      console=console, transient=False, disable=bool(status_file)) as progress:
             task = progress.add_task(f"{loaded.name}: starting")
 
             def show(stats: Any) -> None:
@@ -136,24 +165,32 @@ def _run(pipeline: str, db: str | None, metrics_port: int | None, stop_when_idle
             runner = build_runner(loaded, settings, store_url=url, on_progress=show, metrics=metrics,
                                   idle_stop_s=stop_when_idle, replaying_dead_letters=dead_letters is not None,
                                   batch=batch)
-            stats = asyncio.run(_run_until_signalled(runner))
+            runner.probe = probe
+            stats = asyncio.run(_run_until_signalled(runner, settings.drain_timeout_s, status_file))
             show(stats)
     except EtlError as exc:
         _fail(str(exc))
     except OSError as exc:  # e.g. the metrics port is taken
         _fail(f"{exc.strerror or exc}")
-    _summary(loaded.name, _safe(url), stats)
+    if not status_file:
+        summary(loaded.name, _safe(url), stats)
 
 
 def stats_elapsed(stats: Any) -> float:
     return stats.elapsed_s or (time.perf_counter() - stats.started)
 
 
-async def _run_until_signalled(runner: Any) -> Any:
-    """First SIGINT/SIGTERM: stop polling, finish in-flight work, commit. Second: exit at once —
-    still safe, since nothing uncommitted is ever counted as done."""
+async def _run_until_signalled(runner: Any, drain_s: float, status_file: str | None = None) -> Any:
+    """First SIGINT/SIGTERM: stop polling, finish in-flight work, commit, leave the group. Second, or
+    ``drain_s`` later: exit at once — still safe, since nothing uncommitted is ever counted as done
+    (it is redelivered, and a claim it held lapses after its lease)."""
     loop = asyncio.get_running_loop()
     signals = 0
+
+    def deadline() -> None:
+        console.print(f"stopping: the drain deadline ({drain_s:g} s) passed; exiting, uncommitted documents "
+                      "will be redelivered")
+        os._exit(3)
 
     def on_signal() -> None:
         nonlocal signals
@@ -162,33 +199,53 @@ async def _run_until_signalled(runner: Any) -> Any:
             os._exit(130)
         console.print("stopping: finishing in-flight documents (signal again to exit now)")
         runner.stop()
+        loop.call_later(drain_s, deadline)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
+    reporting = asyncio.create_task(_report_status(runner, status_file)) if status_file else None
     try:
         return await runner.run()
     finally:
+        if reporting is not None:
+            reporting.cancel()
+            _write_status(status_file, runner, final=True)  # type: ignore[arg-type]
         await runner.llm.aclose()
 
 
-def _summary(name: str, url: str, stats: Any) -> None:
-    table = Table(title=f"{name} → {url}", show_header=False, title_justify="left")
-    rows = [
-        ("documents read", f"{stats.messages}"),
-        ("stage runs", f"{stats.stage_runs}"),
-        ("  already stored (no-op)", f"{stats.stored_hits}"),
-        ("  from cache", f"{stats.cache_hits}"),
-        ("older versions (no-op)", f"{stats.older_versions}"),
-        ("LLM calls", f"{stats.llm_calls}"),
-        *([("answered by students", f"{stats.student_answers}")] if stats.student_answers else []),
-        ("cache hit rate", f"{stats.hit_rate:.1%}"),
-        ("results written", f"{stats.results_written}"),
-        ("dead letters", f"{stats.dead_letters}"),
-        ("elapsed", f"{stats.elapsed_s:.1f} s ({stats.messages / max(stats.elapsed_s, 1e-9):.1f} docs/s)"),
-    ]
-    for label, value in rows:
-        table.add_row(label, value)
-    out.print(table)
+def _die_with_supervisor() -> None:
+    """A child of ``etl run --workers N`` is sent SIGTERM (a drain) when its supervisor dies, so no
+    worker outlives it unwatched (Linux; elsewhere the supervisor's own exit path stops them)."""
+    import ctypes  # noqa: PLC0415
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(os.environ.get("ETL_SUPERVISOR_PID", os.getppid())):
+        os.kill(os.getpid(), signal.SIGTERM)  # it died before the line above ran
+
+
+async def _report_status(runner: Any, path: str) -> None:
+    """A child's counts and probes, for its supervisor: written every half second."""
+    while True:
+        _write_status(path, runner, final=False)
+        await asyncio.sleep(0.5)
+
+
+def _write_status(path: str, runner: Any, *, final: bool) -> None:
+    import dataclasses  # noqa: PLC0415
+    import json  # noqa: PLC0415
+
+    probe = runner.probe
+    stats = dataclasses.asdict(runner.stats)
+    stats["elapsed_s"] = stats["elapsed_s"] or stats_elapsed(runner.stats)
+    status = {"pid": os.getpid(), "time": time.time(), "final": final, "stats": stats,
+              "assigned": bool(probe and probe.assigned), "draining": bool(probe and probe.draining)}
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w", encoding="utf-8") as out_file:
+        json.dump(status, out_file)
+    os.replace(temporary, path)
 
 
 @app.command()

@@ -79,3 +79,25 @@ def go_ahead(total: int, *, dry_run: bool, yes: bool, question: str) -> bool:
             fail("not a terminal to confirm on: pass --yes to delete, or --dry-run to count")
         typer.confirm(f"{question} This cannot be undone", abort=True)
     return True
+
+
+def summary(name: str, url: str, stats: Any) -> None:
+    """The table a run ends with."""
+    table = Table(title=f"{name} → {url}", show_header=False, title_justify="left")
+    rows = [
+        ("documents read", f"{stats.messages}"),
+        ("stage runs", f"{stats.stage_runs}"),
+        ("  already stored (no-op)", f"{stats.stored_hits}"),
+        ("  from cache", f"{stats.cache_hits}"),
+        ("older versions (no-op)", f"{stats.older_versions}"),
+        ("LLM calls", f"{stats.llm_calls}"),
+        *([("answered by students", f"{stats.student_answers}")] if stats.student_answers else []),
+        ("cache hit rate", f"{stats.hit_rate:.1%}"),
+        ("results written", f"{stats.results_written}"),
+        ("dead letters", f"{stats.dead_letters}"),
+        ("elapsed", f"{stats.elapsed_s:.1f} s ({stats.messages / max(stats.elapsed_s, 1e-9):.1f} docs/s)"),
+    ]
+    for label, value in rows:
+        table.add_row(label, value)
+    out.print(table)
+

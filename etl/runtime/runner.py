@@ -50,6 +50,7 @@ from connectors.store import (
 )
 from connectors.store.evolve import MigrationNeeded
 from etl.errors import BadInput, ConfigError, SourceError, StoreError
+from etl.health import Probe
 from etl.llm.base import LLM
 from etl.log import get_logger
 from etl.metrics import Metrics
@@ -172,6 +173,9 @@ class Runner:
                                  for stage in stages)
         self._last_flush = 0.0
         self._stopping = False
+        #: Told each turn of the loop that it turned, and whether the source has partitions
+        #: (``etl.health``: what /healthz and /readyz answer).
+        self.probe: Probe | None = None
 
     def _start(self, work: Coroutine[Any, Any, tuple[DocumentOutcome, Tally]], pending: _Pending
                ) -> asyncio.Task[tuple[DocumentOutcome, Tally]]:
@@ -190,6 +194,8 @@ class Runner:
     def stop(self) -> None:
         """Asks the loop to stop polling, finish in-flight work, commit, and return."""
         self._stopping = True
+        if self.probe is not None:
+            self.probe.draining = True
 
     # -- the store, on its own thread, patient with restarts -----------------------------------
 
@@ -265,6 +271,8 @@ class Runner:
         gc.set_threshold(max(threshold[0], 50_000), *threshold[1:])
         try:
             while True:
+                if self.probe is not None:
+                    self.probe.tick(source.reading())
                 if flushing is not None and flushing.done():
                     flushing.result()  # a failed commit stops the run; nothing after it was committed
                     flushing = None

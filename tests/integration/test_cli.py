@@ -130,3 +130,13 @@ def test_status_on_a_store_a_newer_etl_migrated_says_to_upgrade_etl(sqlite_url: 
     result = invoke("status", url=sqlite_url)
     assert result.exit_code == 1, result.output  # type: ignore[attr-defined]
     assert "newer than this etl" in result.output and "etl db upgrade" not in result.output, result.output  # type: ignore[attr-defined]
+    upgraded = invoke("db", "upgrade", url=sqlite_url)  # and migrating it is refused with the same cause
+    assert upgraded.exit_code == 1 and "newer than this etl" in upgraded.output, upgraded.output  # type: ignore[attr-defined]
+
+
+def test_workers_are_for_a_consumer_group_and_a_count(project: Path, sqlite_url: str) -> None:
+    for given, says in (("2", "a file is read by one worker"), ("0", "give a number from 1 to 256"),
+                        ("many", "give a number from 1 to 256")):
+        result = invoke("run", str(project / "p.py"), "--workers", given, url=sqlite_url)
+        assert result.exit_code == 1 and says in result.output, (given, result.output)  # type: ignore[attr-defined]
+        assert "Traceback" not in result.output  # type: ignore[attr-defined]

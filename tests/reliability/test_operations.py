@@ -57,7 +57,7 @@ def test_drain_resume_replay_and_status(kafka_bootstrap: str, topic: str, postgr
         if worker.poll() is None:
             worker.kill()
     assert worker.returncode == 0, err
-    assert 'etl_messages_total{pipeline="reliability"}' in metrics
+    assert 'etl_messages_total{pipeline="reliability",worker="0"}' in metrics
     assert "etl_llm_latency_seconds_bucket" in metrics and "etl_in_flight" in metrics
     assert any(json.loads(line).get("event") == "partition_assigned"
                for line in err.splitlines() if line.startswith("{"))  # structlog JSON, context bound
