@@ -8,6 +8,7 @@ Each section lives in ``bench/sections/``; this is the runner and the RESULTS.md
 
 from __future__ import annotations
 
+import statistics
 import json
 import os
 import platform
@@ -65,10 +66,11 @@ def fmt(v: float, unit: str) -> str:
 def write(sections: dict[str, dict[str, Any]]) -> Path:
     """RESULTS.md from every section's latest saved run (bench/results/<section>.json)."""
     figures = [f for name in SECTIONS if name in sections for f in sections[name]["figures"]]
-    runs = ", ".join(f"{name} {s['started']} ({s['minutes']:.1f} min)" for name, s in sections.items())
+    runs = ", ".join(f"{name} {s['started']} ({s['minutes']:.1f} min, "
+                     f"{statistics.mode(f['runs'] for f in s['figures']) if s['figures'] else 0} runs)" for name, s in sections.items())
     lines = ["# Benchmark results", "",
              f"`bash bench/run.sh`; sections last run: {runs}. Every figure is the median and min–max over "
-             f"{RUNS} runs; ratios are against a baseline measured in the same run. The router section is "
+             "its section's runs; ratios are against a baseline measured in the same run. The router section is "
              "not a timing benchmark: one run, its data and simulated model being deterministic.", "",
              "## Machine", "", *hosts(sections), "", "## Figures", "",
              "| figure | median | min–max | unit | goal | met |", "|---|---:|---:|---|---|---|"]
