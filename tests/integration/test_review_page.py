@@ -163,6 +163,11 @@ def owner_rows(url: str, sql: str, **params: Any) -> list[tuple[Any, ...]]:
         engine.dispose()
 
 
+#: A page whose keyboard shortcuts are attached (review.js is deferred: a key pressed as soon as
+#: the element is parsed can come before it).
+KEYS_READY = "html[data-keys=ready]"
+
+
 def ids(url: str) -> dict[str, int]:
     return {key: number for key, number in owner_rows(url, "SELECT doc_key, id FROM review_queue")}
 
@@ -177,7 +182,7 @@ def test_a_reviewer_corrects_by_keyboard_into_the_golden_set_and_sees_only_their
         page.fill("input[name=user]", reviewer)
         page.fill("input[name=password]", "pw")
         page.keyboard.press("Enter")
-        page.wait_for_selector("#queue")
+        page.wait_for_selector(KEYS_READY + " #queue")
         # the queue: acme's three items, nothing of globex (not in the rows, not in the filters)
         assert page.locator("#queue tr.row").count() == 3
         assert "GLOBEX" not in page.content() and "globex" not in page.content()
@@ -186,7 +191,7 @@ def test_a_reviewer_corrects_by_keyboard_into_the_golden_set_and_sees_only_their
 
         # open the first item from the keyboard; every value's span is highlighted in the text
         page.keyboard.press("Enter")
-        page.wait_for_selector("pre#text")
+        page.wait_for_selector(KEYS_READY + " pre#text")
         assert page.url.endswith(f"/items/{items['a1']}")
         marks = {m.get_attribute("data-paths"): m.inner_text() for m in page.locator("mark.span").all()}
         assert marks == {"company": "KEDAI ACME SDN BHD", "currency": "RM", "total": "12.50"}
@@ -313,10 +318,10 @@ def test_on_sqlite_the_local_user_comes_in_by_the_printed_link_only(tmp_path: Pa
         # another Host (a DNS-rebinding page reaching the port under its own name) is refused
         assert httpx.get(origin + "/", headers={"Host": "evil.example"}).status_code == 400
         page.goto(link)
-        page.wait_for_selector("#queue")
+        page.wait_for_selector(KEYS_READY + " #queue")
         assert page.locator("#queue tr.row").count() == len(DOCS)  # one user: every tenant of the file
         page.keyboard.press("Enter")
-        page.wait_for_selector("pre#text")
+        page.wait_for_selector(KEYS_READY + " pre#text")
         page.keyboard.press("a")
         page.wait_for_url(f"{origin}/items/{items['a2']}")
         assert owner_rows(sqlite_url, "SELECT doc_key, origin, reviewer FROM golden_examples") == [
