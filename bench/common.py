@@ -105,10 +105,11 @@ def steady_rate(marks: list[tuple[float, int]], total: int) -> float:
 STAGE = Classify(LABELS, "Route the support ticket.", name="route")  # the stage bench/pipeline.py runs too
 
 
-def run_idem(topic: str, url: str, llm: FakeLLM, in_flight: int) -> tuple[int, float, list[tuple[float, int]]]:
+def run_idem(topic: str, url: str, llm: FakeLLM, in_flight: int, client: str = "kafka-python"
+             ) -> tuple[int, float, list[tuple[float, int]]]:
     """(messages, seconds, completion marks) for idem-etl reading ``topic`` from offset 0 to its end."""
     pipeline = Pipeline("bench", KafkaSource(topic, replay_from="start"), [STAGE], store=url, review=None)
-    settings = Settings(kafka_bootstrap=KAFKA, max_in_flight=in_flight, flush_size=2000)
+    settings = Settings(kafka_bootstrap=KAFKA, max_in_flight=in_flight, flush_size=2000, kafka_client=client)
     marks: list[tuple[float, int]] = []
     runner = build_runner(pipeline, settings, llm=llm,
                           on_progress=lambda st: marks.append((time.perf_counter(), st.stage_runs)))
@@ -130,6 +131,28 @@ def run_raw(topic: str) -> tuple[int, float]:
     while any(consumer.position(tp) < end[tp] for tp in tps):
         for records in consumer.poll(timeout_ms=200, max_records=500).values():
             count += sum(1 for r in records if json.loads(r.value))  # decode, as any consumer must
+    elapsed = time.perf_counter() - started
+    consumer.close()
+    return count, elapsed
+
+
+def run_raw_confluent(topic: str) -> tuple[int, float]:
+    """The same baseline on confluent-kafka (librdkafka): assign from the beginning, consume in
+    batches of 500, decode, until every partition's end offset."""
+    from confluent_kafka import Consumer, TopicPartition as Partition  # noqa: PLC0415
+
+    started = time.perf_counter()
+    consumer = Consumer({"bootstrap.servers": KAFKA, "group.id": f"raw-{time.time_ns()}", "enable.auto.commit": False})
+    partitions = sorted(consumer.list_topics(topic, timeout=10).topics[topic].partitions)
+    ends = {p: consumer.get_watermark_offsets(Partition(topic, p), timeout=10)[1] for p in partitions}
+    consumer.assign([Partition(topic, p, 0) for p in partitions])
+    done = {p: 0 for p in partitions}
+    count = 0
+    while any(done[p] < ends[p] for p in partitions):
+        for record in consumer.consume(num_messages=500, timeout=0.2):
+            if record.error() is None:
+                done[record.partition()] = record.offset() + 1
+                count += 1 if json.loads(record.value()) else 0  # decode, as any consumer must
     elapsed = time.perf_counter() - started
     consumer.close()
     return count, elapsed

@@ -1,7 +1,10 @@
 """One port for an orchestrator: ``/healthz``, ``/readyz`` and ``/metrics`` (``etl run --metrics-port``).
 
 - ``/healthz``: the process is alive and its event loop is turning (the runner's loop beats at least
-  every 50 ms; one silent for ``STALL_S`` is stuck). 200 or 503.
+  every 50 ms; one silent for ``ETL_STALL_S`` is stuck). Start-up (migrations, waiting for the store,
+  joining the group) is alive: it has its own bound (``ETL_STORE_RETRY_S``), after which the run
+  exits, and an orchestrator that restarted a worker still waiting for its store would only wait
+  again. 200 or 503.
 - ``/readyz``: the store answers a query, the source has partitions assigned (a Kafka member still
   joining its group is not ready), the loop is turning, and the worker is not draining. 200 or 503,
   with each check's answer as JSON.
@@ -20,15 +23,14 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-#: A loop silent this long is stuck: /healthz answers 503 (and an orchestrator restarts the worker).
-STALL_S = 30.0
 
 
 class Probe:
     """What one worker reports to its probes: set by the runner's loop, read by the HTTP thread."""
 
-    def __init__(self) -> None:
-        self.beat = time.monotonic()
+    def __init__(self, stall_s: float = 30.0) -> None:
+        self.stall_s = stall_s  # a loop silent this long is stuck: /healthz answers 503
+        self.beat: float | None = None  # None: starting, the loop has not turned yet
         self.assigned = False
         self.draining = False
 
@@ -37,8 +39,10 @@ class Probe:
         self.assigned = assigned
 
     def alive(self) -> dict[str, Any]:
+        if self.beat is None:
+            return {"ok": True, "starting": True}
         age = time.monotonic() - self.beat
-        return {"ok": age < STALL_S, "loop_age_s": round(age, 3)}
+        return {"ok": age < self.stall_s, "loop_age_s": round(age, 3)}
 
     def ready(self) -> dict[str, Any]:
         alive = self.alive()

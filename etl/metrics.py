@@ -35,6 +35,7 @@ class Metrics:
                                registry=registry, multiprocess_mode="livesum")
         self.lag = Gauge("etl_lag_messages", "End offset minus committed position", [*labels, "stream", "partition"],
                          registry=registry, multiprocess_mode="livemax")
+        self._lagging: set[tuple[str, int]] = set()
 
     def committed(self, outcomes: Iterable[DocumentOutcome], messages: int, hits: int, in_flight: int) -> None:
         p = (self.pipeline, self.worker)
@@ -51,5 +52,13 @@ class Metrics:
                     self.llm_latency.labels(*p, call.stage).observe(call.latency_ms / 1000)
 
     def set_lag(self, lag: Mapping[tuple[str, int], int]) -> None:
+        """This worker's lag for the partitions it holds now; one it no longer holds (a rebalance
+        gave it to another worker) reads 0 and leaves the registry (under --workers N the merged
+        file keeps the 0: another worker's series carries the partition's lag)."""
+        for stream, partition in self._lagging - lag.keys():
+            gone = self.lag.labels(self.pipeline, self.worker, stream, str(partition))
+            gone.set(0)
+            self.lag.remove(self.pipeline, self.worker, stream, str(partition))
         for (stream, partition), value in lag.items():
             self.lag.labels(self.pipeline, self.worker, stream, str(partition)).set(value)
+        self._lagging = set(lag)

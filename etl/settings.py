@@ -39,6 +39,10 @@ class Settings(BaseSettings):
     flush_interval_s: float = Field(default=1.0, gt=0, description="Longest wait before completed work is written.")
     kafka_bootstrap: str | None = Field(default=None, description="host:port of a Kafka broker, for KafkaSource.")
     kafka_session_timeout_ms: int = Field(default=10_000, description="Consumer group session timeout.")
+    kafka_client: Literal["kafka-python", "confluent"] = Field(
+        default="kafka-python",
+        description="KafkaSource's client where the pipeline names none: kafka-python, or confluent (librdkafka; "
+                    "pip install 'idem-etl[confluent]').")
     claim_lease_s: float = Field(default=30.0, gt=0, description="How long a crashed worker's claim on a key blocks others.")
     store_retry_s: float = Field(default=120.0, ge=0, description="How long to wait out a database restart.")
     llm_max_attempts: int = Field(default=4, ge=1, description="Attempts per model call for retryable failures.")
@@ -56,5 +60,9 @@ class Settings(BaseSettings):
         default=30.0, gt=0,
         description="After SIGTERM: longest wait for in-flight documents to finish and commit before exiting anyway "
                     "(what was not committed is redelivered); keep it below Kubernetes' terminationGracePeriodSeconds.")
+    stall_s: float = Field(
+        default=30.0, gt=0,
+        description="A worker whose loop has not turned for this long is stuck: /healthz answers 503, and under "
+                    "--workers N the supervisor kills and restarts it.")
     log_level: str = Field(default="warning", description="debug, info, warning or error.")
     log_json: bool = Field(default=False, description="JSON log lines (production) instead of console lines.")

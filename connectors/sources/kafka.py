@@ -69,12 +69,17 @@ class KafkaSource(Source):
         value_format: ``"json"`` objects (default), ``"text"``, or ``"file"``: each message carries a
             file's bytes (PDF, HTML, text, Markdown; the message key is the document key, a
             ``tenant`` header its tenant).
+        client: ``"kafka-python"`` (the default) or ``"confluent"`` (librdkafka, ``pip install
+            'idem-etl[confluent]'``); None takes the ``ETL_KAFKA_CLIENT`` setting at run time.
     """
 
     def __init__(self, topic: str, *, group: str | None = None, bootstrap: str | None = None,
                  replay_from: Literal["start"] | datetime | None = None, dlq_topic: str | None | Literal[""] = "",
                  consumer_config: Mapping[str, Any] | None = None, until_end: bool = False,
-                 value_format: Literal["json", "text", "file"] = "json") -> None:
+                 value_format: Literal["json", "text", "file"] = "json",
+                 client: Literal["kafka-python", "confluent"] | None = None) -> None:
+        if client not in (None, "kafka-python", "confluent"):
+            raise ValueError(f"KafkaSource client={client!r}: 'kafka-python' or 'confluent'")
         if group is None and replay_from is None:
             raise ValueError("KafkaSource needs group= (or replay_from= for a one-off replay)")
         self.topic = topic
@@ -86,7 +91,9 @@ class KafkaSource(Source):
         self.until_end = until_end
         self.dlq_topic = f"{topic}.dlq" if dlq_topic == "" else dlq_topic
         self.consumer_config = dict(consumer_config or {})
-        self.consumer: KafkaConsumer | None = None
+        #: None: the ``ETL_KAFKA_CLIENT`` setting at run time (``with_client``).
+        self.client = client
+        self.consumer: Any = None
         self._producer: KafkaProducer | None = None
         self._paused = False
         self._last_poll = time.monotonic()
@@ -160,9 +167,11 @@ class KafkaSource(Source):
             if not self._paused:
                 consumer.pause(*consumer.assignment())
                 self._paused = True
-            consumer.poll(timeout_ms=0)
+            # A partition assigned meanwhile (a rebalance inside this poll) is not paused: what it
+            # returns is handed on, never dropped (the tracker sees only what poll returns, and
+            # would commit past a dropped record).
             self._last_poll = time.monotonic()
-            return []
+            return self._messages(consumer.poll(timeout_ms=0))
         if self._paused:
             consumer.resume(*consumer.paused())
             self._paused = False
@@ -174,7 +183,11 @@ class KafkaSource(Source):
         except KafkaError as exc:
             log.warning("poll_failed", error=type(exc).__name__)
             return []
-        messages = [
+        return self._messages(batch)
+
+    @staticmethod
+    def _messages(batch: Mapping[Any, Sequence[Any]]) -> list[Message]:
+        return [
             Message(
                 value=record.value if record.value is not None else b"",
                 key=record.key,
@@ -186,7 +199,6 @@ class KafkaSource(Source):
             for records in batch.values()
             for record in records
         ]
-        return messages
 
     def reading(self) -> bool:
         return self.consumer is not None and bool(self.consumer.assignment())
@@ -269,6 +281,27 @@ class KafkaSource(Source):
         assigned = list(self.consumer.assignment())
         ends = self.consumer.end_offsets(assigned) if assigned else {}
         return {(tp.topic, tp.partition): end for tp, end in ends.items()}
+
+    #: The client this class drives (``ConfluentKafkaSource``: "confluent").
+    client_in_use = "kafka-python"
+
+    def like(self, **changes: Any) -> KafkaSource:
+        """A source with this one's settings and ``changes`` (``client=`` picks the class)."""
+        args = {"group": self.group, "bootstrap": self.bootstrap, "replay_from": self.replay_from,
+                "dlq_topic": self.dlq_topic, "consumer_config": self.consumer_config, "until_end": self.until_end,
+                "value_format": self.value_format, "client": self.client, **changes}
+        if args["client"] == "confluent":
+            try:
+                from connectors.sources.kafka_confluent import ConfluentKafkaSource  # noqa: PLC0415
+            except ImportError as exc:
+                raise ValueError("KafkaSource client='confluent' needs confluent-kafka: "
+                                 "pip install 'idem-etl[confluent]'") from exc
+            made: KafkaSource = ConfluentKafkaSource(self.topic, **args)
+        else:
+            made = KafkaSource(self.topic, **args)
+        made.keepalive_s, made.connect_timeout_s, made.dlq_max_bytes = (
+            self.keepalive_s, self.connect_timeout_s, self.dlq_max_bytes)
+        return made
 
     def close(self) -> None:
         if self.consumer is not None:

@@ -147,7 +147,7 @@ def _run(pipeline: str, db: str | None, metrics_port: int | None, stop_when_idle
 
             loaded.source = DeadLetterSource(make_engine(url), loaded.name, dead_letters or None,
                                              loaded.source.value_format)
-        probe = Probe()
+        probe = Probe(settings.stall_s)
         metrics = Metrics(loaded.name) if metrics_port is not None or os.environ.get("PROMETHEUS_MULTIPROC_DIR") else None
         if metrics_port is not None:
             serve(metrics_port, settings.metrics_host, probe.alive, probe.ready, store_check(url), registry_metrics)
@@ -241,7 +241,8 @@ def _write_status(path: str, runner: Any, *, final: bool) -> None:
     stats = dataclasses.asdict(runner.stats)
     stats["elapsed_s"] = stats["elapsed_s"] or stats_elapsed(runner.stats)
     status = {"pid": os.getpid(), "time": time.time(), "final": final, "stats": stats,
-              "assigned": bool(probe and probe.assigned), "draining": bool(probe and probe.draining)}
+              "assigned": bool(probe and probe.assigned), "draining": bool(probe and probe.draining),
+              "alive": probe.alive()["ok"] if probe else True}
     temporary = f"{path}.{os.getpid()}.tmp"
     with open(temporary, "w", encoding="utf-8") as out_file:
         json.dump(status, out_file)

@@ -5,15 +5,20 @@ for each: leases and single-flight already hold across processes, as across mach
 supervisor only starts, watches and stops them:
 
 - a child that exits non-zero (crashed, killed, out of memory) is started again after a back-off
-  (1 s, doubling to 30 s while it keeps failing within 10 s of starting; five such in a row end the
-  run with its exit code, so a broken pipeline does not restart forever);
+  (1 s, doubling to 30 s while it keeps failing; a minute of running resets it); five failures in a
+  row within 10 s of starting end the run with that child's exit code (1 if a signal ended it), so a broken pipeline does
+  not restart forever;
+- a child whose loop has stopped turning (its status file or its loop older than ``ETL_STALL_S``:
+  hung, or stopped with SIGSTOP) is killed and started again the same way;
 - SIGTERM or SIGINT is passed to every child, which drains (``ETL_DRAIN_TIMEOUT_S``); a second
   one kills them at once (nothing uncommitted is lost: it is redelivered); children run in their
   own process group (a terminal's Ctrl+C reaches only the supervisor) and are sent SIGTERM by the
-  kernel if the supervisor dies (Linux: PR_SET_PDEATHSIG);
+  kernel if the supervisor dies (Linux: PR_SET_PDEATHSIG). The supervisor exits 0 when every child
+  drained, 3 when one hit the drain deadline (as a single worker does), 130 on a second signal;
 - each child writes its counts and probes to a status file every half second; the progress line
-  and the closing summary add them up (a crashed child's count is its last report's: at most half a
-  second short; the store's tables are the record);
+  and the closing summary add them up. They are a view, not the record (the store's tables are): a
+  crashed child's count is its last report's, at most half a second short, and a message a
+  restarted child reads again (it was not committed) is counted again;
 - with ``--metrics-port`` the supervisor serves the probes and every child's metrics (labelled
   ``worker``) on that one port.
 """
@@ -32,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import typer
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from etl.cli.support import console, fail, safe_url, summary
@@ -45,6 +51,8 @@ log = get_logger(__name__)
 QUICK_S = 10.0
 GIVE_UP_AFTER = 5
 MAX_BACKOFF_S = 30.0
+#: A child that ran this long before failing starts its back-off again from 1 s.
+STEADY_S = 60.0
 #: A status file older than this is a child that stopped reporting (hung): not ready.
 STALE_S = 5.0
 COUNTED = [f.name for f in dataclasses.fields(RunStats) if f.name not in ("started", "elapsed_s", "in_flight")]
@@ -56,11 +64,14 @@ class Child:
     status: Path
     process: subprocess.Popen[bytes] | None = None
     started: float = 0.0
-    quick_failures: int = 0
+    quick_failures: int = 0  # in a row, each within QUICK_S of starting
+    failures: int = 0  # in a row, each within STEADY_S of starting (the back-off)
     restarts: int = 0
     start_at: float = 0.0  # when a crashed child is started again
     done: bool = False
     returncode: int | None = None
+    hung: bool = False  # killed by the supervisor for not reporting
+    past_deadline: bool = False  # killed by the supervisor after the drain deadline
 
     def report(self) -> dict[str, Any] | None:
         try:
@@ -99,10 +110,11 @@ def supervise(pipeline: str, db: str | None, metrics_port: int | None, stop_when
     children = [Child(n, run_dir / f"worker-{n}.json") for n in range(count)]
     stopping, kill_at = False, float("inf")
     past = RunStats()  # the counts of children's ended runs (a restarted child starts again from 0)
-    began = time.monotonic()
+    began = beat = time.monotonic()
 
     def start(child: Child) -> None:
         child.status.unlink(missing_ok=True)
+        child.hung = False
         # Its own process group: a terminal's Ctrl+C reaches the supervisor only, which passes one
         # SIGTERM on (two would end the drain at once); it exits if the supervisor dies.
         child.process = subprocess.Popen(argv, env={**env, "ETL_WORKER": str(child.number),
@@ -110,6 +122,8 @@ def supervise(pipeline: str, db: str | None, metrics_port: int | None, stop_when
                                                     "ETL_SUPERVISOR_PID": str(os.getpid())},
                                          stdout=subprocess.DEVNULL, process_group=0)  # logs (stderr) pass through
         child.started = time.monotonic()
+        if stopping:  # a signal that came while it was being started did not reach it
+            child.process.send_signal(signal.SIGTERM)
         log.info("worker_started", worker=child.number, pid=child.process.pid, restarts=child.restarts)
 
     def current() -> tuple[RunStats, list[dict[str, Any] | None]]:
@@ -121,17 +135,27 @@ def supervise(pipeline: str, db: str | None, metrics_port: int | None, stop_when
                     setattr(total, name, getattr(total, name) + report["stats"][name])
         return total, reports
 
+    def stuck(child: Child, report: dict[str, Any] | None, now: float) -> bool:
+        """Its loop stopped turning: no report for ETL_STALL_S (the reporter shares the loop), or
+        a report that says so. A child still starting has its own bound (ETL_STORE_RETRY_S)."""
+        if report is None or report.get("final"):
+            return False  # not reporting yet (imports, a restart), or done and exiting (its last flush ran)
+        return time.time() - report["time"] > settings.stall_s or not report.get("alive", True)
+
     if metrics_port is not None:
         from etl.health import registry_metrics, serve, store_check  # noqa: PLC0415
 
         def alive() -> dict[str, Any]:
-            return {"ok": True, "workers": sum(c.process is not None and c.process.poll() is None for c in children)}
+            # The supervisor's own loop: a stuck child is its job (killed and restarted), not the pod's.
+            age = time.monotonic() - beat
+            return {"ok": age < settings.stall_s, "loop_age_s": round(age, 3),
+                    "workers": sum(c.process is not None and c.process.poll() is None for c in children)}
 
         def ready() -> dict[str, Any]:
             _, reports = current()
             now = time.time()
             fresh = [r for c, r in zip(children, reports, strict=True) if not c.done and r is not None
-                     and now - r["time"] < STALE_S]
+                     and now - r["time"] < STALE_S and r.get("alive", True)]
             running = [c for c in children if not c.done]
             return {"ok": bool(fresh) and len(fresh) == len(running) and any(r["assigned"] for r in fresh)
                     and not stopping, "workers_reporting": len(fresh), "workers": len(running),
@@ -148,6 +172,7 @@ def supervise(pipeline: str, db: str | None, metrics_port: int | None, stop_when
             for child in children:
                 if child.process is not None and child.process.poll() is None:
                     child.process.kill()
+            shutil.rmtree(run_dir, ignore_errors=True)
             os._exit(130)
         stopping, kill_at = True, time.monotonic() + settings.drain_timeout_s + 5
         console.print(f"stopping: draining {count} workers (signal again to exit now)")
@@ -157,7 +182,7 @@ def supervise(pipeline: str, db: str | None, metrics_port: int | None, stop_when
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    failure: str | None = None
+    failure: tuple[str, int] | None = None
     try:
         for child in children:
             start(child)
@@ -165,8 +190,9 @@ def supervise(pipeline: str, db: str | None, metrics_port: int | None, stop_when
                       transient=False) as progress:
             task = progress.add_task(f"{loaded.name}: starting {count} workers")
             while not all(c.done for c in children):
-                now = time.monotonic()
-                for child in children:
+                now = beat = time.monotonic()
+                total, reports = current()
+                for child, report in zip(children, reports, strict=True):
                     if child.done:
                         continue
                     if child.process is None:
@@ -178,7 +204,13 @@ def supervise(pipeline: str, db: str | None, metrics_port: int | None, stop_when
                     code = child.process.poll()
                     if code is None:
                         if now > kill_at:
+                            child.past_deadline = True
                             child.process.kill()  # past the drain deadline and its own: it is stuck
+                        elif not stopping and not child.hung and stuck(child, report, now):
+                            child.hung = True
+                            log.warning("worker_stuck", worker=child.number, pid=child.process.pid,
+                                        stall_s=settings.stall_s)
+                            child.process.kill()  # SIGKILL ends a stopped (SIGSTOP) process too
                         continue
                     _ended(child, past)
                     if metrics_port is not None:
@@ -189,19 +221,20 @@ def supervise(pipeline: str, db: str | None, metrics_port: int | None, stop_when
                     if code == 0 or stopping:
                         child.done = True
                         continue
-                    quick = now - child.started < QUICK_S
-                    child.quick_failures = child.quick_failures + 1 if quick else 0
+                    ran = now - child.started
+                    child.quick_failures = child.quick_failures + 1 if ran < QUICK_S else 0
+                    child.failures = child.failures + 1 if ran < STEADY_S else 1
                     if child.quick_failures >= GIVE_UP_AFTER:
-                        failure = (f"worker {child.number} failed {GIVE_UP_AFTER} times within {QUICK_S:g} s of "
-                                   f"starting (exit {code}): see its log above")
+                        failure = (f"worker {child.number} failed {GIVE_UP_AFTER} times in a row within {QUICK_S:g} s "
+                                   f"of starting (exit {code}): see its log above", code if code > 0 else 1)
                         on_signal(signal.SIGTERM, None)
                         child.done = True
                         continue
                     child.restarts += 1
-                    backoff = min(MAX_BACKOFF_S, 2.0 ** max(0, child.quick_failures - 1))
+                    backoff = min(MAX_BACKOFF_S, 2.0 ** (child.failures - 1))
                     child.start_at = now + backoff
-                    log.warning("worker_exited", worker=child.number, returncode=code, restart_in_s=backoff)
-                total, _ = current()
+                    log.warning("worker_exited", worker=child.number, returncode=code, hung=child.hung,
+                                restart_in_s=backoff)
                 elapsed = max(1e-9, time.monotonic() - began)
                 up = sum(c.process is not None for c in children)
                 progress.update(task, description=(
@@ -217,7 +250,20 @@ def supervise(pipeline: str, db: str | None, metrics_port: int | None, stop_when
     past.elapsed_s = time.monotonic() - began
     summary(f"{loaded.name} ({count} workers, {sum(c.restarts for c in children)} restarts)", safe_url(url), past)
     if failure is not None:
-        fail(failure)
+        fail(*failure)
+    code = exit_code(children)
+    if code:
+        raise typer.Exit(code)
+
+
+def exit_code(children: list[Child]) -> int:
+    """The run's exit status from its children's: 3 when one hit the drain deadline (its own, exit 3,
+    or the supervisor's kill after it), else a child's failure during the drain, else 0. A child
+    ended by the SIGTERM itself (it had not yet set its handler: nothing read) drained."""
+    codes = [c.returncode for c in children if c.returncode is not None]
+    if any(c.past_deadline or c.returncode == 3 for c in children):
+        return 3
+    return next((code if code > 0 else 1 for code in codes if code not in (0, -signal.SIGTERM)), 0)
 
 
 def _ended(child: Child, past: RunStats) -> None:

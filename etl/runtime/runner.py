@@ -173,6 +173,7 @@ class Runner:
                                  for stage in stages)
         self._last_flush = 0.0
         self._stopping = False
+        self._looping = False  # start-up is over: the loop has begun
         #: Told each turn of the loop that it turned, and whether the source has partitions
         #: (``etl.health``: what /healthz and /readyz answer).
         self.probe: Probe | None = None
@@ -201,9 +202,13 @@ class Runner:
 
     async def _store(self, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
+        patience = stop_after_delay(self.store_retry_s)
         try:
             async for attempt in AsyncRetrying(
-                retry=retry_if_exception(is_transient), stop=stop_after_delay(self.store_retry_s),
+                # Patient while running (a commit waits out a restart), but a stop during start-up
+                # (nothing read yet) is not kept waiting for a store that may never come back.
+                retry=retry_if_exception(is_transient),
+                stop=lambda state: patience(state) or (self._stopping and not self._looping),
                 wait=wait_exponential(multiplier=0.2, max=5), reraise=True,
                 before_sleep=lambda state: log.warning(
                     "store_unavailable", attempt=state.attempt_number,
@@ -241,9 +246,8 @@ class Runner:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    async def run(self) -> RunStats:
-        source = self.pipeline.source
-        self.stats.started = time.perf_counter()
+    async def _start_up(self) -> None:
+        """The store migrated and read, the source opened: before the loop's first turn."""
         try:
             await self._store(self.store.prepare, self.pipeline.extract_tables)
         except MigrationNeeded as exc:
@@ -254,9 +258,22 @@ class Runner:
             self.executor.seen_labels = await self._store(self.store.sampled_labels, self.pipeline.name)
         if self.students is not None:
             await self._store(self.students.load)
-        await self._source(source.open, self)
+        await self._source(self.pipeline.source.open, self)
+
+    async def run(self) -> RunStats:
+        source = self.pipeline.source
+        self.stats.started = time.perf_counter()
+        try:
+            await self._start_up()
+        except StoreError:
+            if self._stopping:  # stopped while waiting for the store: nothing was read, nothing to do
+                log.warning("stopped_during_start_up")
+                self.stats.elapsed_s = time.perf_counter() - self.stats.started
+                return self.stats
+            raise
         if source.dead_letter_channel:
             await self._publish_pending()  # letters a crash left between the commit and the channel
+        self._looping = True
         self._last_flush = last_message = last_keepalive = time.perf_counter()
         exhausted = False
         polling: asyncio.Future[list[Message] | None] | None = None

@@ -38,6 +38,13 @@ def default_llm(settings: Settings) -> LLM:
     return LocalLLM(settings.model_path, threads=settings.model_threads)
 
 
+def priced(llm: LLM, settings: Settings) -> LLM:
+    """``llm`` with its price from ``ETL_PRICES`` when it was given none."""
+    if llm.price_per_mtok == (0.0, 0.0) and llm.model_id in settings.prices:
+        llm.price_per_mtok = settings.prices[llm.model_id]
+    return llm
+
+
 def build_runner(pipeline: Pipeline, settings: Settings | None = None, *, llm: LLM | None = None,
                  store_url: str | None = None, idle_stop_s: float | None = None,
                  on_progress: Callable[[RunStats], None] | None = None, metrics: Metrics | None = None,
@@ -48,12 +55,12 @@ def build_runner(pipeline: Pipeline, settings: Settings | None = None, *, llm: L
     store = SqlStore(store_url or database_url(pipeline, settings))
     source = pipeline.source
     if isinstance(source, KafkaSource):
+        if (source.client or settings.kafka_client) != source.client_in_use:
+            pipeline.source = source = source.like(client=source.client or settings.kafka_client)
         source.bootstrap = source.bootstrap or settings.kafka_bootstrap
         source.consumer_config.setdefault("session_timeout_ms", settings.kafka_session_timeout_ms)
         source.consumer_config.setdefault("heartbeat_interval_ms", settings.kafka_session_timeout_ms // 4)
-    llm = llm or pipeline.llm or default_llm(settings)
-    if llm.price_per_mtok == (0.0, 0.0) and llm.model_id in settings.prices:
-        llm.price_per_mtok = settings.prices[llm.model_id]
+    llm = priced(llm or pipeline.llm or default_llm(settings), settings)
     if batch:
         llm = _batching(pipeline, llm, store, settings)
         settings = settings.model_copy(update={"max_in_flight": max(settings.max_in_flight, settings.batch_window)})
@@ -82,9 +89,7 @@ def replay_source(pipeline: Pipeline, since: datetime | None) -> KafkaSource:
     if not isinstance(source, KafkaSource):
         raise ConfigError(f"pipeline {pipeline.name!r} reads {type(source).__name__}, not Kafka: "
                           "file sources are re-read by every `etl run` already")
-    return KafkaSource(source.topic, bootstrap=source.bootstrap, replay_from=since or "start",
-                       dlq_topic=source.dlq_topic, consumer_config=source.consumer_config,
-                       value_format=source.value_format)
+    return source.like(group=None, replay_from=since or "start", until_end=False)
 
 
 async def run_pipeline(pipeline: Pipeline, settings: Settings | None = None, **kwargs: object) -> RunStats:

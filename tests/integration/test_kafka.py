@@ -1,11 +1,14 @@
 """Kafka → PostgreSQL on real services: positions in the database, no-op replays, dead letters on
-a DLQ topic, and single-flight across workers."""
+a DLQ topic, and single-flight across workers; every test with both clients (kafka-python, the
+default, and confluent-kafka)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
+
+import pytest
 
 from etl import Classify, KafkaSource, Pipeline
 from etl.runtime.wiring import build_runner
@@ -14,6 +17,13 @@ from etl.testing import FakeLLM, ListSource
 from tests.helpers import counts, end_offsets, produce, read_all, rows
 
 LABELS = ["billing", "technical", "other"]
+
+
+@pytest.fixture(autouse=True, params=["kafka-python", "confluent"])
+def kafka_client(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """ETL_KAFKA_CLIENT for the runs of this module (and the workers they start)."""
+    monkeypatch.setenv("ETL_KAFKA_CLIENT", request.param)
+    return str(request.param)
 
 
 def messages(n: int, hot: int = 0) -> list[tuple[bytes | None, bytes]]:
@@ -109,3 +119,63 @@ async def test_a_crashed_claimers_lease_expires(postgres_url: str) -> None:
     started = time.perf_counter()
     await build_runner(p, Settings(), llm=llm).run()
     assert len(llm.calls) == 1 and time.perf_counter() - started >= 1.0
+
+
+class _Ledger:
+    """A ledger with no stored positions: every partition is read from its beginning."""
+
+    def __init__(self) -> None:
+        self.revoked_keys: list[tuple[str, int]] = []
+
+    def stored_position(self, stream: str, partition: int) -> int | None:
+        return None
+
+    def revoked(self, partitions: list[tuple[str, int]]) -> None:
+        self.revoked_keys.extend(partitions)
+
+
+def test_a_full_member_loses_no_message_of_a_partition_assigned_while_it_was_paused(
+        kafka_bootstrap: str, topic: str, kafka_client: str) -> None:
+    """The runner full: the source pauses its partitions and polls only to stay in the group. A
+    rebalance hands it partitions while paused (another member joins and leaves); their records
+    must come back from poll, never be fetched and dropped (the offset tracker only sees what poll
+    returns: a dropped record would be committed past, and lost)."""
+    produce(kafka_bootstrap, topic, messages(400))
+    config = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 500}
+    full = KafkaSource(topic, group=f"{topic}-g", bootstrap=kafka_bootstrap, consumer_config=config,
+                       client=kafka_client).like()
+    full.keepalive_s = 0.0  # every full poll is a keep-alive poll
+    seen: dict[int, set[int]] = {}
+
+    def take(batch: list | None) -> None:
+        for m in batch or []:
+            seen.setdefault(m.partition, set()).add(m.offset)
+
+    full.open(_Ledger())
+    try:
+        deadline = time.monotonic() + 60
+        while not full.reading():  # joined (a member full from the start never joins: polls with room do)
+            assert time.monotonic() < deadline, "never assigned"
+            take(full.poll(1, 0.2))
+        take(full.poll(0, 0.2))  # full from here on: paused
+        other = KafkaSource(topic, group=f"{topic}-g", bootstrap=kafka_bootstrap, consumer_config=config,
+                            client=kafka_client).like()
+        other.open(_Ledger())
+        try:
+            deadline = time.monotonic() + 60
+            while not other.reading():  # the rebalance: the partitions split between the two
+                assert time.monotonic() < deadline, "the second member was never assigned"
+                other.poll(1, 0.1)  # what it reads is read again by the full member after it leaves
+                take(full.poll(0, 0.1))
+        finally:
+            other.close()  # it leaves: its partitions come back to the full member, unpaused
+        for _ in range(100):  # still full: keep-alive polls only, for about 10 s
+            take(full.poll(0, 0.0))
+            time.sleep(0.1)
+        deadline = time.monotonic() + 30
+        while sum(map(len, seen.values())) < 400 and time.monotonic() < deadline:
+            take(full.poll(500, 0.5))  # room again
+    finally:
+        full.close()
+    ends = end_offsets(kafka_bootstrap, topic)
+    assert {p: len(o) for p, o in seen.items()} == ends and all(o == set(range(ends[p])) for p, o in seen.items())
