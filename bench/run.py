@@ -23,7 +23,8 @@ from sqlalchemy import create_engine, text
 
 from bench import long_docs
 from bench.common import POSTGRES, ROOT, RUNS, log
-from bench.sections import batch, capacity, cold, constrained, dedup, memory, quix, replay, router, store, workers
+from bench.sections import (batch, capacity, cold, constrained, dedup, memory, quix, replay, router, stability, store,
+                            workers)
 from etl.log import configure
 
 
@@ -89,7 +90,7 @@ SECTIONS = {"replay": replay.replay_figures, "cold": cold.cold_figures, "dedup":
             "constrained": constrained.constrained_figures, "memory": memory.memory_figures, "batch": batch.batch_figures,
             "router": router.router_figures, "store": store.store_figures, "quix": quix.quix_figures,
             "capacity": capacity.capacity_figures, "long": lambda: long_docs.figures(RUNS),
-            "workers": workers.workers_figures}
+            "workers": workers.workers_figures, "stability": stability.stability_figures}
 
 
 def main() -> None:

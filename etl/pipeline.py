@@ -34,6 +34,8 @@ class Pipeline:
         budgets: ``{tenant: tokens per UTC day}``; beyond it documents are quarantined with reason
             ``budget_exceeded`` (replay them with ``etl dlq replay`` the next day).
         review: Which results are sampled into the review queue (None: none).
+        models: ``{name: LLM}``: candidates to compare on the golden set (``etl eval --models
+            NAME,NAME``); they answer nothing in a run.
     """
 
     def __init__(
@@ -49,6 +51,7 @@ class Pipeline:
         tenant_llms: Mapping[str, LLM] | None = None,
         budgets: Mapping[str, int] | None = None,
         review: ReviewSampling | None = ReviewSampling(),  # noqa: B008 - frozen, shared safely
+        models: Mapping[str, LLM] | None = None,
     ) -> None:
         if not name or not name.replace("-", "_").isidentifier():
             raise ConfigError(f"pipeline name {name!r} must be letters, digits, '-' or '_'")
@@ -63,6 +66,7 @@ class Pipeline:
         self.tenant_llms = dict(tenant_llms or {})
         self.budgets = dict(budgets or {})
         self.review = review
+        self.models = dict(models or {})
         #: Where ``load_pipeline`` found it (a path or module:attr), for messages that say what to run.
         self.origin: str | None = None
         self._check()

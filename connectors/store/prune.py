@@ -46,7 +46,7 @@ def stored_pipelines(conn: Connection) -> set[str]:
     for table in metadata.tables.values():
         if "pipeline" in table.c and table.name in present and table.name not in _NOT_USE:
             names.update(conn.execute(select(table.c.pipeline).distinct()).scalars())
-    return {name.removesuffix("#eval") for name in names if name is not None}
+    return {name.removesuffix("#eval").removesuffix("#stability") for name in names if name is not None}
 
 
 def _configuration(by_tenant: Mapping[str, Mapping[str, str]], tenant: str) -> str:
@@ -153,8 +153,8 @@ def prune(engine: Engine, live: Live, retention_days: float, *, dry_run: bool, d
                 select(func.count()).select_from(stage_results).where(
                     r.pipeline == pipeline, r.stage.in_(sorted(names)), r.fingerprint.not_in(sorted(fingerprints)))
             ).scalar_one())
-        # a pipeline's evals cost under "<pipeline>#eval"
-        called = [p for pipeline in sorted(stages) for p in (pipeline, f"{pipeline}#eval")]
+        # a pipeline's evals and stability measurements cost under "<pipeline>#eval", "#stability"
+        called = [p for pipeline in sorted(stages) for p in (pipeline, f"{pipeline}#eval", f"{pipeline}#stability")]
         take(llm_calls, llm_calls.c.pipeline.in_(called) & (llm_calls.c.created_at < cutoff))
         if dry_run:
             transaction.rollback()

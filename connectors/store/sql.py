@@ -419,11 +419,15 @@ class SqlStore(Store, Claims):
             ).values(expires_at=now + lease_s).returning(c.cache_key)).scalars())
 
     def tokens_spent(self, tenant: str, since: datetime) -> int:
-        """Tokens a tenant's model attempts used since ``since`` (any pipeline): for budgets."""
+        """Tokens a tenant's model attempts used since ``since`` (any pipeline's runs): for budgets.
+        Measurements (``etl eval``'s ``#eval``, ``etl stability``'s ``#stability``) are not a
+        tenant's traffic and have their own caps (``--max-cost``)."""
+        c = llm_calls.c
         with self.engine.connect() as conn:
             return int(conn.execute(
-                select(func.coalesce(func.sum(llm_calls.c.tokens_in + llm_calls.c.tokens_out), 0)).where(
-                    llm_calls.c.tenant == tenant, llm_calls.c.outcome != "cache_hit", llm_calls.c.created_at >= since)
+                select(func.coalesce(func.sum(c.tokens_in + c.tokens_out), 0)).where(
+                    c.tenant == tenant, c.outcome != "cache_hit", c.created_at >= since,
+                    c.pipeline.not_like("%#eval"), c.pipeline.not_like("%#stability"))
             ).scalar_one())
 
     def sampled_labels(self, pipeline: str) -> set[tuple[str, str, str]]:

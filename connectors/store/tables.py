@@ -236,6 +236,29 @@ eval_results = Table(
     Column("error", Text),
 )
 
+#: ``etl stability``: one measurement of a stage's model asked K times about the same documents.
+stability_runs = Table(
+    "stability_runs",
+    metadata,
+    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("pipeline", String(200), nullable=False),
+    Column("tenant", String(200), nullable=False),
+    Column("stage", String(200), nullable=False),
+    Column("model", String(300), nullable=False),
+    Column("fingerprint", String(64), nullable=False),
+    Column("documents", Integer, nullable=False),
+    Column("samples", Integer, nullable=False),
+    Column("unanimous", Float, nullable=False),  # share of documents given one distinct answer
+    Column("distinct_answers", Float, nullable=False),  # mean distinct answers per document
+    Column("label_flip_rate", Float),  # Classify: chance that two answers to a document differ in label
+    Column("reproduced", Float),  # share of stored answers the model gives again (its most common answer)
+    Column("calls", Integer, nullable=False),
+    Column("cost", Float, nullable=False),
+    Column("details", Json, nullable=False),  # per-field agreement, confidence intervals, failures
+    _now(),
+    Index("ix_stability_runs_stage", "pipeline", "tenant", "stage", "model", "created_at"),
+)
+
 drift_alerts = Table(
     "drift_alerts",
     metadata,
@@ -425,7 +448,7 @@ analyst_grants = Table(
 #: Tables with a tenant column: row-level security for analysts applies to each (PostgreSQL).
 TENANT_TABLES = ("documents", "stage_results", "llm_cache", "llm_calls", "dead_letters", "golden_examples",
                  "eval_runs", "eval_results", "drift_alerts", "review_queue", "cache_texts", "students",
-                 "router_checks", "stage_chunks", "field_spans")
+                 "router_checks", "stage_chunks", "field_spans", "stability_runs")
 
 _SCALARS: dict[Any, Any] = {
     str: Text,

@@ -1,9 +1,10 @@
-"""``etl golden``, ``etl eval``, ``etl drift``, ``etl quality``, ``etl review``, ``etl report``."""
+"""``etl golden``, ``etl eval``, ``etl stability``, ``etl drift``, ``etl quality``, ``etl review``, ``etl report``."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 from datetime import date, datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -11,7 +12,9 @@ from typing import Annotated, Any
 import typer
 from sqlalchemy import select, text, update
 
-from etl.cli.support import DbOption, PipelineArg, fail, out, safe_url, store_engine, table_of
+from rich.progress import TextColumn
+
+from etl.cli.support import DbOption, PipelineArg, console, fail, out, safe_url, store_engine, table_of
 from etl.errors import EtlError
 from etl.settings import Settings
 
@@ -44,18 +47,30 @@ def golden_import(
 
 
 def evaluate(pipeline: PipelineArg, stage: Annotated[str | None, typer.Option(help="Only this stage.")] = None,
-             tenant: TenantOption = None, db: DbOption = None) -> None:
+             tenant: TenantOption = None,
+             models: Annotated[str | None, typer.Option(
+                 help="Compare these models on the golden set, e.g. 'default,small': names in the pipeline's "
+                      "models={...}, 'default' (its own), or models of the ETL_LLM_BASE_URL endpoint.")] = None,
+             db: DbOption = None) -> None:
     """Score the current stage (its fingerprint: prompt, schema, model) on the golden set, per tenant.
-    The model is asked afresh (no cache); every attempt is costed under '<pipeline>#eval'."""
+    The model is asked afresh (no cache); every attempt is costed under '<pipeline>#eval'.
+
+    With --models: every candidate answers the same golden set through the same stage, side by
+    side with accuracy (95% interval), macro-F1 or field match, cost, latency, schema-invalid share
+    and stability, and a paired test between the best two; answers are cached per candidate's
+    fingerprint, so a re-run costs nothing."""
     from etl.pipeline import load_pipeline  # noqa: PLC0415
     from etl.quality.golden import evaluate as run_eval  # noqa: PLC0415
-    from etl.runtime.wiring import default_llm  # noqa: PLC0415
+    from etl.runtime.wiring import default_llm, priced  # noqa: PLC0415
 
     try:
         loaded = load_pipeline(pipeline)
         engine, _ = store_engine(db, loaded)
         settings = Settings()
-        llm = loaded.llm or default_llm(settings)
+        if models is not None:
+            _compare(engine, loaded, [m.strip() for m in models.split(",") if m.strip()], stage, tenant, settings)
+            return
+        llm = priced(loaded.llm or default_llm(settings), settings)
         runs = asyncio.run(run_eval(engine, loaded, llm, stage, tenant, repairs=settings.repairs))
     except EtlError as exc:
         fail(str(exc))
@@ -73,6 +88,129 @@ def evaluate(pipeline: PipelineArg, stage: Annotated[str | None, typer.Option(he
              "accuracy_when_sure": r["details"]["student"]["accuracy_when_sure"],
              "routed_accuracy": r["details"]["student"]["routed_accuracy"], "llm_accuracy": r["accuracy"]}
             for r in scored]))
+
+
+def _compare(engine: Any, loaded: Any, names: list[str], stage: str | None, tenant: str | None,
+             settings: Settings) -> None:
+    from etl.quality.compare import candidates, compare  # noqa: PLC0415
+
+    if stage is None:
+        if len(loaded.stages) > 1:
+            fail(f"--models: say which stage with --stage ({', '.join(s.name for s in loaded.stages)})")
+        stage = loaded.stages[0].name
+    found = candidates(loaded, names, settings)
+    compared = asyncio.run(compare(engine, loaded, found, stage, tenant, repairs=settings.repairs))
+    out.print(table_of(f"Models on the golden set of {loaded.name}/{stage} (best first)", [
+        {"candidate": r["candidate"], "model": r["model"], "examples": r["examples"], "accuracy": r["accuracy"],
+         "95% interval": "{:.3f}–{:.3f}".format(*r["accuracy_ci"]),
+         "macro_f1/field match": r["quality"], "failed": r["failed"], "schema_invalid": r["schema_invalid"],
+         "cost_usd": r["cost"],
+         "latency_p50_ms": r["latency_p50_ms"], "stability": r["stability"], "calls_now": r["calls_now"]}
+        for r in compared["rows"]]))
+    test = compared["test"]
+    verdict = "a difference beyond chance" if test["p"] < 0.05 else "not a difference beyond chance"
+    out.print(f"{test['best']} vs {test['second']}: right only for {test['best']} on {test['a_only']}, only for "
+              f"{test['second']} on {test['b_only']} of {test['examples']} examples; exact McNemar p = {test['p']:.3g} "
+              f"({verdict} at 0.05). Stability: as `etl stability --model NAME` last measured it (blank: not measured).")
+
+
+def stability(
+    pipeline: PipelineArg,
+    stage: Annotated[str, typer.Argument(help="The stage to measure.")],
+    samples: Annotated[int, typer.Option(help="Answers per document (K).")] = 5,
+    documents: Annotated[int, typer.Option(help="Documents in the sample (N), drawn at random.")] = 100,
+    from_: Annotated[str, typer.Option("--from", help="Where the documents come from: 'source' (the pipeline's "
+                                                      "file source), 'golden' (its golden set) or a file or directory.")]
+    = "source",
+    max_cost: Annotated[float | None, typer.Option(help="USD: stop after the round of answers that reaches it "
+                                                        "(two rounds always run).")] = None,
+    seed: Annotated[int, typer.Option(help="The sample's random seed.")] = 0,
+    model: Annotated[str | None, typer.Option(help="Measure this model instead of the pipeline's: a name in its "
+                                                    "models={...} or of the ETL_LLM_BASE_URL endpoint.")] = None,
+    db: DbOption = None,
+) -> None:
+    """Ask STAGE's model K times about N documents, as a run asks it (prompt, schema, validators,
+    repairs) but bypassing the cache, and report how often it answers the same: per tenant and
+    model, the share of documents answered one way, distinct answers per document, per-field
+    agreement, Classify's label flip rate, and the share of stored answers it gives again. Nothing
+    stored is overwritten; every call is costed under '<pipeline>#stability'; the run is kept in
+    stability_runs, and a drop against the last run is a drift alert (metric stability)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn  # noqa: PLC0415
+
+    from connectors.sources.base import Source, SourceUnavailable  # noqa: PLC0415
+    from connectors.sources.files import FileSource, source_for_path  # noqa: PLC0415
+    from connectors.sources.kafka import KafkaSource  # noqa: PLC0415
+    from etl.pipeline import load_pipeline  # noqa: PLC0415
+    from etl.quality.stability import golden_documents, measure, source_documents  # noqa: PLC0415
+    from etl.runtime.wiring import default_llm, priced  # noqa: PLC0415
+
+    if not 2 <= samples <= 100 or documents < 1:
+        fail(f"--samples {samples} --documents {documents}: give 2 to 100 samples of at least 1 document")
+    if max_cost is not None and not (math.isfinite(max_cost) and max_cost > 0):
+        fail(f"--max-cost {max_cost}: give a positive number of USD")
+    try:
+        loaded = load_pipeline(pipeline)
+        engine, _ = store_engine(db, loaded)
+        settings = Settings()
+        if model is not None and model != "default":
+            from etl.quality.compare import candidate  # noqa: PLC0415
+
+            llm = candidate(loaded, model, settings)
+        else:
+            llm = priced(loaded.llm or default_llm(settings), settings)
+        if from_ == "golden":
+            sample = golden_documents(engine, loaded.name, stage, documents, seed)
+            where = "its golden set"
+        else:
+            # a file pipeline's documents are files (PDF, HTML, ...), read by what its source reads them with
+            source: Source = (loaded.source if from_ == "source" else FileSource(from_)
+                              if loaded.source.value_format == "file" else source_for_path(from_))
+            if isinstance(source, KafkaSource):
+                fail(f"--from {from_}: {loaded.name!r} reads {type(source).__name__}, whose documents are not kept; "
+                     "give --from golden or a file or directory of documents")
+            sample = source_documents(loaded, source, documents, seed)
+            where = "the pipeline's source" if from_ == "source" else from_
+        if not sample:
+            fail(f"no documents in {where} to measure {loaded.name}/{stage} on")
+        total = len(sample) * samples
+        out.print(f"{loaded.name}/{stage}: {len(sample)} documents from {where} × {samples} samples = up to {total} "
+                  "model answers (more with repairs), bypassing the cache")
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                      console=console, transient=True) as bar:
+            task = bar.add_task("answers", total=total)
+            runs = asyncio.run(measure(engine, loaded, llm, stage, sample, samples, repairs=settings.repairs,
+                                       max_cost=max_cost, progress=lambda n: bar.advance(task, n),
+                                       candidate=model not in (None, "default"), source=where))
+    except EtlError as exc:
+        fail(str(exc))
+    except (OSError, SourceUnavailable) as exc:
+        fail(f"--from {from_}: {getattr(exc, 'strerror', None) or exc}")
+    skipped = [r for r in runs if "skipped" in r]
+    runs = [r for r in runs if "skipped" not in r]
+    if not runs:
+        fail(f"{loaded.name}/{stage} ran on none of the sampled documents (a stage with when= is measured where "
+             "its stored results for the same content are): run the pipeline first")
+    out.print(table_of(f"Stability of {loaded.name}/{stage}", [
+        {"tenant": r["tenant"], "model": r["model"], "documents": r["documents"], "samples": r["samples"],
+         "unanimous": r["unanimous"],
+         "95% interval": "{:.3f}–{:.3f}".format(*r["details"]["unanimous_ci"]),
+         "distinct/doc": r["distinct_answers"], "label_flip_rate": r["label_flip_rate"],
+         "reproduced": r["reproduced"], "failed": r["details"]["failed_samples"], "calls": r["calls"],
+         "cost": r["cost"],
+         "alert": "DROP" if r.get("alert") else ""} for r in runs]))
+    for r in runs:
+        fields = r["details"]["fields"]
+        if len(fields) > 1:
+            out.print(f"{r['tenant']}: field agreement " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(fields.items())))
+        if r.get("alert"):
+            out.print(f"[bold red]{r['tenant']}: stability dropped from {r['previous_unanimous']:.3f} to "
+                      f"{r['unanimous']:.3f} (drift alert recorded)[/]")
+        if r["details"]["failed_share"] > 0.5:
+            out.print(f"[bold red]{r['tenant']}: {r['details']['failed_share']:.0%} of the answers failed: this "
+                      "measures failures, not stability; check the model (llm_calls under "
+                      f"'{loaded.name}#stability' have the errors)[/]")
+    for r in skipped:
+        out.print(f"{r['tenant']}: not measured ({r['skipped']})")
 
 
 def drift(pipeline: Annotated[str, typer.Option(help="The pipeline's name.")],
@@ -94,7 +232,9 @@ def drift(pipeline: Annotated[str, typer.Option(help="The pipeline's name.")],
         return
     out.print(table_of(f"{len(alerts)} drift alert(s)", [
         {"tenant": a.tenant, "stage": a.stage, "metric": a.metric, "baseline": a.baseline, "recent": a.recent,
-         "score": a.score, "threshold": a.threshold} for a in alerts]))
+         "score": a.score, "threshold": a.threshold,
+         **({"detail": f"{a.extra['from']} → {a.extra['to']}"} if a.metric == "model_version" else {})}
+        for a in alerts]))
 
 
 def quality(tenant: TenantOption = None,
@@ -295,5 +435,6 @@ def register(app: typer.Typer) -> None:
     app.add_typer(review_app, name="review")
     app.command("eval")(evaluate)
     app.command("drift")(drift)
+    app.command("stability")(stability)
     app.command("quality")(quality)
     app.command("report")(report)

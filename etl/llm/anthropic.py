@@ -17,7 +17,7 @@ import httpx
 from pydantic import SecretStr
 
 from etl.errors import ContextOverflow, LLMError, LLMTimeout, RateLimited, TransientLLMError
-from etl.llm.base import LLM, LLMRequest, LLMResponse
+from etl.llm.base import LLM, LLMRequest, LLMResponse, warn_if_alias
 from etl.llm.openai_compat import _retry_after
 from etl.llm.ratelimit import RateLimit
 
@@ -43,6 +43,7 @@ class AnthropicLLM(LLM):
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.model_id = f"{model}@{self.base_url}"
+        warn_if_alias(model, self.base_url)
         self.params = {"temperature": temperature, "structured": "tool"}
         self.price_per_mtok = price_per_mtok
         key = api_key.get_secret_value() if isinstance(api_key, SecretStr) else api_key

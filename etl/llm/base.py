@@ -8,10 +8,13 @@ can, and say in ``structured`` whether it did.
 
 from __future__ import annotations
 
+import re
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 Message = dict[str, str]
 FinishReason = Literal["stop", "length", "refusal", "error"]
@@ -84,3 +87,37 @@ class LLM(ABC):
     def cost(self, tokens_in: int, tokens_out: int) -> float:
         price_in, price_out = self.price_per_mtok
         return (tokens_in * price_in + tokens_out * price_out) / 1_000_000
+
+
+class ModelAliasWarning(UserWarning):
+    """A model name the provider may point at a new snapshot: answers can change under the same
+    name (and fingerprint). Pin a dated snapshot; ``etl drift`` raises ``model_version`` when the
+    version a provider reports changes."""
+
+
+_OPENAI_FAMILIES = re.compile(r"^(gpt-|chatgpt-|o\d)")
+_OPENAI_DATED = re.compile(r"-(\d{4}-\d{2}-\d{2}|\d{4})(-preview)?$")  # gpt-4o-mini-2024-07-18, gpt-4-0613
+_ANTHROPIC_DATED = re.compile(r"-\d{8}(-v\d+(:\d+)?)?$")  # claude-sonnet-4-5-20250929
+_LATEST = re.compile(r"(^|[-:_./@])latest$")
+
+
+def alias_problem(model: str, base_url: str) -> str | None:
+    """Why ``model`` at ``base_url`` is an alias rather than a pinned snapshot, or None. Any
+    provider's ``…-latest``; OpenAI's models without their date (``gpt-4o-mini`` is
+    ``gpt-4o-mini-2024-07-18`` today); Anthropic's without theirs. Self-hosted names are the user's."""
+    name, host = model.strip().lower(), (urlsplit(base_url).hostname or "").lower()
+    if _LATEST.search(name):
+        why = "names whatever the provider calls latest"
+    elif host == "api.openai.com" and _OPENAI_FAMILIES.match(name) and not _OPENAI_DATED.search(name):
+        why = "is an OpenAI alias that moves to new dated snapshots (e.g. gpt-4o-mini → gpt-4o-mini-2024-07-18)"
+    elif host == "api.anthropic.com" and name.startswith("claude") and not _ANTHROPIC_DATED.search(name):
+        why = "is an Anthropic alias that moves to new dated snapshots (e.g. claude-sonnet-4-5-20250929)"
+    else:
+        return None
+    return (f"model {model!r} {why}: its answers can change under the same name and fingerprint; pin a dated "
+            "snapshot (etl drift reports model_version when the version the provider reports changes)")
+
+
+def warn_if_alias(model: str, base_url: str) -> None:
+    if (problem := alias_problem(model, base_url)) is not None:
+        warnings.warn(problem, ModelAliasWarning, stacklevel=3)

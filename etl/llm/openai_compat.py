@@ -20,7 +20,7 @@ from pydantic import SecretStr
 
 from etl.confidence import pieces_from_bytes
 from etl.errors import ContextOverflow, LLMError, LLMTimeout, RateLimited, TransientLLMError
-from etl.llm.base import LLM, LLMRequest, LLMResponse
+from etl.llm.base import LLM, LLMRequest, LLMResponse, warn_if_alias
 from etl.llm.ratelimit import RateLimit
 
 StructuredMode = Literal["json_schema", "json_object", "none"]
@@ -57,6 +57,7 @@ class OpenAICompatibleLLM(LLM):
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.model_id = f"{model}@{self.base_url}"
+        warn_if_alias(model, self.base_url)
         self.structured = structured
         self.logprobs = logprobs
         self.params = {"temperature": temperature, "structured": structured}

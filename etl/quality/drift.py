@@ -4,8 +4,9 @@ A provider can change a model behind the same name; the outputs tell. Per tenant
 fingerprint of its newest result, the latest ``window`` results are compared with the first
 ``max(window, baseline)`` (the baseline): label distribution (a permutation test, see
 :func:`label_shift`), output length, empty-field rate; and, over model attempts since that
-fingerprint's first result, the validation-failure and refusal rates. Crossing a threshold writes a ``drift_alerts``
-row and logs a structlog warning.
+fingerprint's first result, the validation-failure and refusal rates; and whether the model
+version the provider reports changed under the fingerprint's one model name (``model_version``: a
+moved alias). Crossing a threshold writes a ``drift_alerts`` row and logs a structlog warning.
 
 An alert means score > threshold for every metric. For ``label_shift`` the score is −log10 of a
 p-value and the threshold −log10 of the significance level (3: p < 0.001), so it is sample-size
@@ -133,6 +134,32 @@ def _rate(rows: Sequence[tuple[str, str | None]], errors: set[str]) -> float:
 BASELINE = 1000
 
 
+def _model_version(conn: Any, where: Sequence[Any], alerted: Any) -> tuple[float, float, str, str] | None:
+    """Under one fingerprint (one configured model name), the version the provider reported
+    changed: (share of the model's answers from the first reported version, share from the newest,
+    first, newest), or None. Answers from a moved alias are not the answers the fingerprint stood
+    for. A router's student answers are not the provider's; a move already alerted (the newest
+    version first seen before ``alerted``, the last model_version alert) is not alerted again."""
+    r = stage_results.c
+    versions = conn.execute(select(r.model, func.count(), func.min(r.created_at), func.max(r.id))
+                            .where(*where, r.answered_by.is_(None)).group_by(r.model)
+                            .order_by(func.min(r.created_at), func.max(r.id))).all()
+    if len(versions) < 2:
+        return None
+    first, newest = versions[0], max(versions, key=lambda v: v[3])
+    if first[0] == newest[0] or (alerted is not None and _aware(newest[2]) <= _aware(alerted)):
+        return None
+    answered = sum(v[1] for v in versions)
+    return first[1] / answered, newest[1] / answered, first[0], newest[0]
+
+
+def _aware(moment: Any) -> Any:
+    """SQLite gives naive UTC datetimes, PostgreSQL aware ones: compared as aware."""
+    from datetime import timezone  # noqa: PLC0415
+
+    return moment.replace(tzinfo=timezone.utc) if getattr(moment, "tzinfo", 1) is None else moment
+
+
 def detect(engine: Engine, pipeline: str, window: int = 200, thresholds: Thresholds = Thresholds(),
            baseline: int = BASELINE) -> list[Alert]:
     """Checks every tenant × stage with at least two windows of results; records and returns alerts.
@@ -156,6 +183,12 @@ def detect(engine: Engine, pipeline: str, window: int = 200, thresholds: Thresho
             where = (*of_stage, r.fingerprint == conn.execute(
                 select(r.fingerprint).where(*of_stage).order_by(*newest).limit(1)).scalar_one())
             total = conn.execute(select(func.count()).select_from(stage_results).where(*where)).scalar_one()
+            alerted = conn.execute(select(func.max(drift_alerts.c.created_at)).where(
+                drift_alerts.c.pipeline == pipeline, drift_alerts.c.tenant == tenant, drift_alerts.c.stage == stage,
+                drift_alerts.c.metric == "model_version")).scalar()
+            if (moved := _model_version(conn, where, alerted)) is not None:
+                alerts.append(Alert(tenant, stage, "model_version", *moved[:2], moved[1], 0.0, window,
+                                    {"from": moved[2], "to": moved[3]}))
             if total < 2 * window:
                 if total < conn.execute(select(func.count()).select_from(stage_results).where(*of_stage)).scalar_one():
                     # a new fingerprint is a new reference: unchecked until it has two windows
@@ -207,5 +240,5 @@ def detect(engine: Engine, pipeline: str, window: int = 200, thresholds: Thresho
                  "window": a.window} for a in alerts])
     for a in alerts:
         log.warning("drift_alert", pipeline=pipeline, tenant=a.tenant, stage=a.stage, metric=a.metric,
-                    score=round(a.score, 4), threshold=a.threshold)
+                    score=round(a.score, 4), threshold=a.threshold, **a.extra)
     return alerts

@@ -17,10 +17,11 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, insert, select
 
+from connectors.store.base import CacheEntry
 from connectors.store.sql import migrate as upgrade_schema
-from connectors.store.tables import eval_results, eval_runs, golden_examples, llm_calls
+from connectors.store.tables import eval_results, eval_runs, golden_examples, llm_cache, llm_calls
 from connectors.store.write import upsert
-from dedup import content_hash
+from dedup import content_hash, normalize_content
 from dedup import SingleFlight
 from etl.confidence import calibration
 from etl.errors import ConfigError
@@ -35,8 +36,9 @@ from etl.storable import text_problem, value_problem
 from schemas import Document, Position
 
 
-#: An example's answer: output (None if it failed), the attempts, the failure's reason, the confidence.
-Answered = tuple[dict[str, Any] | None, list[Any], str | None, dict[str, list[Any]] | None]
+#: An example's answer: output (None if it failed), the attempts, the failure's reason, the
+#: confidence, and the cache entry it is (None if it failed).
+Answered = tuple[dict[str, Any] | None, list[Any], str | None, dict[str, list[Any]] | None, CacheEntry | None]
 
 
 def read_golden(path: Path, default_tenant: str = "default") -> list[dict[str, Any]]:
@@ -117,10 +119,15 @@ def store_golden(conn: Connection, pipeline: str, stage: str, examples: Iterable
 
 
 async def evaluate(engine: Engine, pipeline: Pipeline, llm: LLM, stage_name: str | None = None,
-                   tenant: str | None = None, concurrency: int = 8, repairs: int = 1) -> list[dict[str, Any]]:
+                   tenant: str | None = None, concurrency: int = 8, repairs: int = 1,
+                   cache: bool = False, every_tenant: bool = False) -> list[dict[str, Any]]:
     """Runs each stage with golden examples over them, per tenant, as that tenant's documents run
     (its overrides, its model, ``repairs`` as the runs have it: the same fingerprint); returns the
-    recorded runs."""
+    recorded runs.
+
+    For ``etl eval --models``: ``cache``: answers are cached by the stage fingerprint they are
+    made with, as a run's are (a re-run of a comparison asks nothing already answered);
+    ``every_tenant``: ``llm`` (a candidate) answers for every tenant, a tenant's own model aside."""
     stages = [s for s in pipeline.stages if stage_name in (None, s.name)]
     if not stages:
         raise ConfigError(f"pipeline {pipeline.name!r} has no stage {stage_name!r}")
@@ -132,36 +139,66 @@ async def evaluate(engine: Engine, pipeline: Pipeline, llm: LLM, stage_name: str
             query = query.where(golden_examples.c.tenant == tenant)
         with engine.connect() as conn:
             examples = [dict(r) for r in conn.execute(query.order_by(golden_examples.c.id)).mappings()]
+        if isinstance(stage, Classify) and (unlabelled := [e["doc_key"] for e in examples
+                                                           if not isinstance(e["expected"].get("label"), str)]):
+            raise ConfigError(f"{pipeline.name}/{stage.name} is a Classify stage, but {len(unlabelled)} golden "
+                              f"example(s) expect no label (e.g. id {unlabelled[0]!r}): import them again with "
+                              '"label" (or "expected": {"label": ...})')
         by_tenant: dict[str, list[dict[str, Any]]] = {}
         for example in examples:
             by_tenant.setdefault(example["tenant"], []).append(example)
         calls = ModelCalls(repairs=repairs)
         gate = asyncio.Semaphore(concurrency)
 
-        async def answer(plan: StagePlan, example: dict[str, Any]) -> Answered:
-            doc = Document(tenant=example["tenant"], key=example["doc_key"], content=example["content"],
-                           content_hash=content_hash(example["content"]),
-                           position=Position(stream="golden", offset=example["id"]))
-            parts = plan.chunks(doc.content)
+        async def answer(plan: StagePlan, example: dict[str, Any], hits: dict[str, CacheEntry]) -> Answered:
+            doc = golden_document(example)
+            if (hit := hits.get(plan.key(doc))) is not None:
+                return hit.output, [], None, hit.confidence, hit
             async with gate:
-                try:
-                    if len(parts) > 1:  # as a run answers it: in chunks
-                        computed = await answer_in_chunks(SingleFlight(), calls, plan, doc, plan.key(doc),
-                                                          plan.stage.chunks_to_ask(parts))
-                    else:
-                        computed = await calls.compute(plan, doc)
-                    return computed.entry.output, computed.calls, None, computed.entry.confidence
-                except StageFailed as failed:
-                    return None, failed.calls, failed.reason, None
+                return await ask_afresh(calls, plan, doc)
 
         for tenant_name, items in sorted(by_tenant.items()):
             # The tenant's stage and model, as its documents run (its overrides, its own model).
             own = next(s for s in pipeline.stages_for(tenant_name) if s.name == stage.name)
-            model = pipeline.tenant_llms.get(tenant_name, llm)
+            model = llm if every_tenant else pipeline.tenant_llms.get(tenant_name, llm)
             plan = StagePlan.of(own, model, repairs)
-            answers = await asyncio.gather(*(answer(plan, e) for e in items))
-            runs.append(_record(engine, pipeline.name, tenant_name, own, plan, model, items, answers))
+            hits = _cached(engine, [plan.key(golden_document(e)) for e in items]) if cache else {}
+            answers = await asyncio.gather(*(answer(plan, e, hits) for e in items))
+            runs.append(_record(engine, pipeline.name, tenant_name, own, plan, model, items, answers,
+                                cache=cache))
     return runs
+
+
+def _cached(engine: Engine, keys: list[str]) -> dict[str, CacheEntry]:
+    found: dict[str, CacheEntry] = {}
+    with engine.connect() as conn:
+        for start in range(0, len(keys), 500):
+            for row in conn.execute(select(llm_cache).where(llm_cache.c.cache_key.in_(keys[start:start + 500]))).mappings():
+                found[row["cache_key"]] = CacheEntry(**{k: row[k] for k in CacheEntry.__dataclass_fields__})
+    return found
+
+
+def golden_document(example: dict[str, Any]) -> Document:
+    """The example as a run decodes a document: its text normalized as it is hashed, so the model
+    reads what the cache key stands for."""
+    content = normalize_content(example["content"])
+    return Document(tenant=example["tenant"], key=example["doc_key"], content=content,
+                    content_hash=content_hash(content), position=Position(stream="golden", offset=example["id"]))
+
+
+async def ask_afresh(calls: ModelCalls, plan: StagePlan, doc: Document) -> Answered:
+    """The stage's answer for ``doc`` as a run would give it (a long document in chunks), from the
+    model and never from the cache (an eval or a stability measurement)."""
+    parts = plan.chunks(doc.content)
+    try:
+        if len(parts) > 1:
+            computed = await answer_in_chunks(SingleFlight(), calls, plan, doc, plan.key(doc),
+                                              plan.stage.chunks_to_ask(parts))
+        else:
+            computed = await calls.compute(plan, doc)
+        return computed.entry.output, computed.calls, None, computed.entry.confidence, computed.entry
+    except StageFailed as failed:
+        return None, failed.calls, failed.reason, None, None
 
 
 def confidence_pairs(stage: Any, expected: dict[str, Any], predicted: dict[str, Any] | None,
@@ -184,7 +221,9 @@ def confidence_pairs(stage: Any, expected: dict[str, Any], predicted: dict[str, 
 
 
 def _record(engine: Engine, pipeline: str, tenant: str, stage: Any, plan: StagePlan, llm: LLM,
-            items: list[dict[str, Any]], answers: list[Answered]) -> dict[str, Any]:
+            items: list[dict[str, Any]], answers: list[Answered], cache: bool = False) -> dict[str, Any]:
+    """The run and its per-example results; its attempts under ``<pipeline>#eval``; with ``cache``,
+    the answers made now in ``llm_cache`` (first answer wins, as in a run)."""
     expected = [e["expected"] for e in items]
     predicted = [a[0] for a in answers]
     if isinstance(stage, Classify):
@@ -205,7 +244,8 @@ def _record(engine: Engine, pipeline: str, tenant: str, stage: Any, plan: StageP
     if pairs:
         details["calibration"] = {**calibration((p, ok) for p, ok, _ in pairs),
                                   "sources": dict(Counter(source for _, _, source in pairs))}
-    model = next((c.model for a in answers for c in a[1] if c.outcome == "ok"), llm.model_id)
+    model = next((c.model for a in answers for c in a[1] if c.outcome == "ok"), None) or next(
+        (a[4].model for a in answers if a[4] is not None), llm.model_id)
     run = {"pipeline": pipeline, "tenant": tenant, "stage": stage.name, "model": model,
            "fingerprint": plan.fingerprint, "examples": len(items), "failed": sum(a[2] is not None for a in answers),
            "accuracy": scores["accuracy"], "macro_f1": scores.get("macro_f1"), "details": details}
@@ -218,4 +258,12 @@ def _record(engine: Engine, pipeline: str, tenant: str, stage: Any, plan: StageP
         calls = [{"pipeline": f"{pipeline}#eval", **c.model_dump()} for a in answers for c in a[1]]
         if calls:
             conn.execute(insert(llm_calls), calls)
-    return {**run, "id": run_id}
+        if cache:
+            fresh = {a[4].cache_key: vars(a[4]) for a in answers if a[4] is not None and a[1]}
+            upsert(conn, llm_cache, list(fresh.values()), ("cache_key",), None)
+    # not stored: what a comparison of models reads back (etl.quality.compare)
+    keys = [plan.key(golden_document(e)) for e in items]
+    # what answering the set costs with this model: each answer's own cost (a cached one's as it was
+    # paid, a long document's with its chunks), and a failed one's attempts
+    cost = sum(a[4].cost if a[4] is not None else sum(c.cost for c in a[1]) for a in answers)
+    return {**run, "id": run_id, "cache_keys": keys, "calls_now": sum(len(a[1]) for a in answers), "answer_cost": cost}

@@ -17,7 +17,7 @@ from typing import Any
 
 from sqlalchemy import Engine, case, func, inspect, select, text
 
-from connectors.store.tables import drift_alerts, eval_runs, field_spans
+from connectors.store.tables import drift_alerts, eval_runs, field_spans, stability_runs
 
 #: Okabe-Ito minus yellow: tells tenants apart under the common colour-vision deficiencies.
 PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#7F7F7F")
@@ -247,20 +247,34 @@ def _grounding(engine: Engine, pipeline: str | None) -> list[Row]:
     return rows
 
 
+def _stability(engine: Engine, pipeline: str | None) -> list[Row]:
+    """Every ``etl stability`` run, oldest first."""
+    if "stability_runs" not in inspect(engine).get_table_names():
+        return []
+    q = select(stability_runs).order_by(stability_runs.c.created_at, stability_runs.c.id)
+    with engine.connect() as conn:
+        found = [dict(r) for r in conn.execute(q.where(stability_runs.c.pipeline == pipeline) if pipeline else q)
+                 .mappings()]
+    for r in found:
+        r["at"] = _utc(r["created_at"])
+    return found
+
+
 def write_report(engine: Engine, out_dir: Path, pipeline: str | None = None) -> Path:
     """Writes out_dir/index.html (creating out_dir) and returns its path.
 
-    One page, four sections (eval accuracy over time, drift, grounding and calibration, spend and
-    cache savings per tenant),
+    One page, five sections (eval accuracy over time, drift, grounding and calibration, stability,
+    spend and cache savings per tenant),
     each saying which command fills it while its table is empty. ``pipeline`` narrows every query.
     """
     evals, drifts, costs = _fetch(engine, pipeline)
     grounded = _grounding(engine, pipeline)
-    multi = len({r["pipeline"] for r in evals + drifts + costs + grounded}) > 1
+    stable = _stability(engine, pipeline)
+    multi = len({r["pipeline"] for r in evals + drifts + costs + grounded + stable}) > 1
     def who(r: Row) -> str:  # tenants are only unique within a pipeline
         return f"{r['pipeline']}/{r['tenant']}" if multi else str(r["tenant"])
     colours: dict[str, str] = {}
-    for name in sorted({who(r) for r in evals + drifts + costs + grounded}):
+    for name in sorted({who(r) for r in evals + drifts + costs + grounded + stable}):
         colours[name] = PALETTE[len(colours) % len(PALETTE)]
 
     # -- accuracy over time
@@ -343,6 +357,38 @@ def write_report(engine: Engine, out_dir: Path, pipeline: str | None = None) -> 
     else:
         trust.append(_empty("etl eval"))
 
+    # -- stability
+    steady = ['<section id="stability"><h2>Stability</h2><p class="sub">The same documents asked again '
+              "(<code>etl stability</code>, the cache bypassed): the share answered one way every time, with its "
+              "95% interval, distinct answers per document, the chance two answers differ in label, and the share "
+              "of stored answers the model gives again. Latest run per tenant, stage and model; the change is "
+              "against the last run it compares with (the same fingerprint, samples and documents' source).</p>"]
+    if stable:
+        last_runs: dict[tuple[str, str, str], list[Row]] = {}
+        for r in stable:
+            last_runs.setdefault((who(r), r["stage"], r["model"]), []).append(r)
+        srows = []
+        def comparable(a: Row, b: Row) -> bool:  # as etl stability compares: same fingerprint, K and source
+            return (a["fingerprint"], a["samples"], (a["details"] or {}).get("source")) == (
+                b["fingerprint"], b["samples"], (b["details"] or {}).get("source"))
+
+        for (t, stage, model), runs in sorted(last_runs.items()):
+            r, change = runs[-1], ""
+            before = next((p for p in reversed(runs[:-1]) if comparable(p, r)), None)
+            if before is not None:
+                d = (r["unanimous"] - before["unanimous"]) * 100
+                change = (f'<span class="{"up" if d > 0 else "down"}">{"▲" if d > 0 else "▼"} {abs(d):.1f} pts</span>'
+                          if round(d, 1) else "= 0.0 pts")
+            low, high = (r["details"] or {}).get("unanimous_ci") or (None, None)
+            srows.append([_e(t), _e(stage), _e(model), f"<b>{_pct(r['unanimous'])}</b>",
+                          "–" if low is None else f"{_pct(low)}–{_pct(high)}", change, f"{r['distinct_answers']:.2f}",
+                          _pct(r["label_flip_rate"]), _pct(r["reproduced"]), f"{r['documents']} × {r['samples']}",
+                          _when(r["at"])])
+        steady.append(_table(["Tenant", "Stage", "Model", "One answer", "95% interval", "Change", "Distinct/doc",
+                              "Label flips", "Reproduced", "Docs × samples", "When (UTC)"], srows, 3))
+    else:
+        steady.append(_empty("etl stability"))
+
     # -- cost and cache savings
     first, last = (min(str(r["first"]) for r in costs), max(str(r["last"]) for r in costs)) if costs else ("", "")
     span = "" if not costs else f" on {first}" if first == last else f" from {first} to {last}"
@@ -372,7 +418,7 @@ def write_report(engine: Engine, out_dir: Path, pipeline: str | None = None) -> 
             f'content="width=device-width, initial-scale=1"><title>idem-etl quality report</title><style>{CSS}</style>'
             f"</head><body><main><header><h1>idem-etl quality report</h1><p>Generated {now}{scope}</p>"
             '<div class="cards">' + "".join(f"<div class=card><span>{k}</span><b>{v}</b></div>" for k, v in cards)
-            + "</div></header>" + "".join(acc) + "</section>" + "".join(drift) + "</section>" + "".join(trust) + "</section>" + "".join(cost)
+            + "</div></header>" + "".join(acc) + "</section>" + "".join(drift) + "</section>" + "".join(trust) + "</section>" + "".join(steady) + "</section>" + "".join(cost)
             + "</section></main></body></html>")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "index.html"

@@ -8,7 +8,7 @@ local model.
 
 from connectors.sources import ListSource
 from etl.testing.batch_server import BatchServer
-from etl.testing.fakes import FakeLLM, lognormal, schema_answer, simulated_labeller, value_logprobs
+from etl.testing.fakes import FakeLLM, lognormal, schema_answer, simulated_labeller, unstable, value_logprobs
 from etl.testing.fault_server import FaultServer
 
-__all__ = ["BatchServer", "FakeLLM", "FaultServer", "ListSource", "lognormal", "schema_answer", "simulated_labeller", "value_logprobs"]
+__all__ = ["BatchServer", "FakeLLM", "FaultServer", "ListSource", "lognormal", "schema_answer", "simulated_labeller", "unstable", "value_logprobs"]

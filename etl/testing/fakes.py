@@ -60,6 +60,8 @@ class FakeLLM(LLM):
         fault: Called with (request, call number); an exception it returns is raised instead of
             answering (e.g. a ``TransientLLMError`` for the first two calls).
         model_id: What the fingerprint and provenance record; change it to simulate a new model.
+        reported: The model version the provider reports answering with (default: ``model_id``);
+            change it under the same ``model_id`` to simulate an alias the provider moved.
         call_log: A file that gets one line per call (the prompt's hash), appended atomically, so
             calls can be counted across processes that are killed before they commit anything.
         logprobs: Makes the answer's ``(piece, logprob)`` tokens from (request, answer text), for
@@ -69,8 +71,10 @@ class FakeLLM(LLM):
     def __init__(self, answer: Answer = schema_answer, *, latency_s: float | Callable[[], float] = 0.0,
                  fault: Fault | None = None, model_id: str = "fake-llm", tokens: tuple[int, int] = (100, 20),
                  price_per_mtok: tuple[float, float] = (0.0, 0.0), call_log: str | Path | None = None,
-                 logprobs: Callable[[LLMRequest, str], Sequence[tuple[str, float]]] | None = None) -> None:
+                 logprobs: Callable[[LLMRequest, str], Sequence[tuple[str, float]]] | None = None,
+                 reported: str | None = None) -> None:
         self.answer = answer
+        self.reported = reported
         self.latency_s = latency_s
         self.fault = fault
         self.model_id = model_id
@@ -103,7 +107,7 @@ class FakeLLM(LLM):
                 raise error
             answer = self.answer(request)
             text = answer if isinstance(answer, str) else json.dumps(answer)
-            return LLMResponse(text=text, model=self.model_id, tokens_in=self.tokens[0], tokens_out=self.tokens[1],
+            return LLMResponse(text=text, model=self.reported or self.model_id, tokens_in=self.tokens[0], tokens_out=self.tokens[1],
                                latency_ms=delay * 1000,
                                token_logprobs=tuple(self.logprobs(request, text)) if self.logprobs else ())
         finally:
@@ -161,10 +165,27 @@ def simulated_labeller(gold: dict[str, str], labels: list[str], accuracy: float 
     return answer
 
 
+def unstable(answer: Answer, share: float, other: Callable[[dict[str, Any]], dict[str, Any]], seed: int = 0) -> Answer:
+    """``answer`` made unstable, as a provider at temperature 0 is: on ``share`` of the texts (drawn
+    from a hash of each), every call gives ``answer``'s reply or ``other`` of it at even odds (draws
+    from a generator seeded with ``seed``, so a test is repeatable). Stated instability: K answers
+    to a document agree on ``1 - share + share * 2 ** (1 - K)`` of the documents, and two answers
+    differ on ``share / 2`` of the pairs."""
+    rng = random.Random(seed)
+
+    def wobbly(request: LLMRequest) -> Any:
+        reply = answer(request)
+        reply = json.loads(reply) if isinstance(reply, str) else reply
+        draw = int(sha256_hex(f"unstable:{seed}:{request.messages[-1]['content']}")[:12], 16) / 16**12
+        return other(reply) if draw < share and rng.random() < 0.5 else reply
+
+    return wobbly
+
+
 def lognormal(median_s: float, sigma: float = 0.5, seed: int = 0) -> Callable[[], float]:
     """Latencies with the long right tail real providers have."""
     rng = random.Random(seed)
     return lambda: rng.lognormvariate(0, sigma) * median_s
 
 
-__all__ = ["FakeLLM", "lognormal", "schema_answer", "simulated_labeller"]
+__all__ = ["FakeLLM", "lognormal", "schema_answer", "simulated_labeller", "unstable"]

@@ -56,6 +56,27 @@ async def test_drift_alert_for_the_changed_tenant_only(store_url: str, capsys: p
     assert rows(store_url, "SELECT tenant, metric FROM drift_alerts") == [(a.tenant, a.metric) for a in alerts]
 
 
+async def test_a_version_the_provider_moved_under_the_same_name_is_a_drift_alert(store_url: str) -> None:
+    def docs(start: int) -> ListSource:
+        return ListSource([{"id": str(i), "tenant": "acme", "text": f"ticket {i}"} for i in range(start, start + 50)])
+
+    stages = [Classify(LABELS, "Route.", name="route")]
+    for start, version in ((0, "gpt-x-2025-01-01"), (50, "gpt-x-2025-01-01"), (100, "gpt-x-2025-06-01")):
+        # the same configured name (model_id, so the same fingerprint); the provider reports the version
+        await run_pipeline(Pipeline("support", docs(start), stages, store=store_url),
+                           llm=FakeLLM(model_id="gpt-x", reported=version))
+    assert {fp for (fp,) in rows(store_url, "SELECT DISTINCT fingerprint FROM stage_results")}.__len__() == 1
+    alerts = [a for a in detect(make_engine(store_url), "support", window=20) if a.metric == "model_version"]
+    assert [(a.tenant, a.stage, a.baseline, a.recent, a.extra) for a in alerts] == [
+        ("acme", "route", 100 / 150, 50 / 150, {"from": "gpt-x-2025-01-01", "to": "gpt-x-2025-06-01"})]
+    assert rows(store_url, "SELECT metric FROM drift_alerts") == [("model_version",)]
+    # alerted once: the same move is not alerted again
+    assert not [a for a in detect(make_engine(store_url), "support", window=20) if a.metric == "model_version"]
+    # one version throughout: no alert
+    await run_pipeline(Pipeline("steady", docs(0), stages, store=store_url), llm=FakeLLM(model_id="gpt-x"))
+    assert not [a for a in detect(make_engine(store_url), "steady", window=20) if a.metric == "model_version"]
+
+
 @pytest.mark.model
 def test_eval_on_banking77_golden_records_accuracy_per_tenant(tmp_path: Path, sqlite_url: str,
                                                               capsys: pytest.CaptureFixture[str]) -> None:

@@ -23,7 +23,8 @@ from connectors.store import security
 from connectors.store.purge import tenant_tables
 from etl import Classify, Extract, Pipeline, Receipt, Router, run_pipeline
 from etl.cli import app
-from etl.quality.golden import evaluate, import_golden
+from etl.quality.golden import evaluate, golden_document, import_golden
+from etl.quality.stability import measure
 from etl.tenancy import ReviewSampling
 from etl.testing import FakeLLM, ListSource
 from tests.helpers import rows
@@ -40,7 +41,7 @@ def _answer(request: Any) -> Any:
 async def populate(url: str, tenants: tuple[str, ...] = TENANTS, *, store_text: bool = True) -> Pipeline:
     """Rows of every tenant in every table with a tenant column: results, typed rows, cache,
     calls, dead letters, review items, golden examples, evals, drift alerts, the router's texts,
-    students and shadow checks."""
+    students and shadow checks, stability runs."""
     docs = [{"id": f"{t}{i}", "tenant": t, "text": f"{t} ticket {i}"} for i in range(30) for t in tenants]
     docs += [{"id": f"bad-{t}", "tenant": t, "text": f"{t} [fault]"} for t in tenants]
     p = Pipeline("support", ListSource(docs), [Classify(LABELS, "Route.", router=Router()), Extract(Receipt, "Extract.")],
@@ -52,6 +53,9 @@ async def populate(url: str, tenants: tuple[str, ...] = TENANTS, *, store_text: 
             import_golden(engine, "support", "classify", [{"tenant": tenant, "doc_key": "g1", "content": "hi",
                                                            "expected": {"label": "billing"}}])
             await evaluate(engine, p, FakeLLM(), "classify", tenant)
+        # a stability measurement per tenant (its rows in stability_runs and llm_calls)
+        await measure(engine, p, FakeLLM(), "classify",
+                      [golden_document({"tenant": t, "doc_key": "s1", "content": "hi", "id": 0}) for t in tenants], 2)
         with engine.begin() as conn:
             for tenant in tenants:
                 conn.execute(text("INSERT INTO drift_alerts (pipeline, tenant, stage, metric, baseline, recent, score, "
@@ -297,7 +301,7 @@ async def test_migrations_need_no_createrole(postgres_url: str, monkeypatch: pyt
         assert granted == {"documents", "stage_results", "llm_cache", "llm_calls", "dead_letters", "golden_examples",
                            "eval_runs", "eval_results", "drift_alerts", "review_queue", "receipt", "analyst_grants",
                            "quality_daily", "eval_trend", "cache_texts", "students", "router_checks", "stage_chunks", "field_spans",
-                           "router_daily"}, granted
+                           "router_daily", "stability_runs"}, granted
     finally:
         with admin.begin() as conn:
             conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import Engine, insert
 
 from connectors.store import make_engine, upgrade
-from connectors.store.tables import drift_alerts, eval_runs, llm_calls
+from connectors.store.tables import drift_alerts, eval_runs, llm_calls, stability_runs
 from etl.quality.report import ALERT, write_report
 
 T0 = dt.datetime(2025, 3, 1, 9, 0)
@@ -61,6 +61,16 @@ def populate(engine: Engine) -> None:
             {**drift, "pipeline": "p2", "tenant": "initech", "metric": "label_shift", "recent": 0.9, "score": 3.7,
              "threshold": 3.0},
         ])
+        steady = {"pipeline": "p1", "stage": "classify", "model": "m1", "fingerprint": "f", "samples": 5, "calls": 500,
+                  "cost": 0.5, "reproduced": 0.9}
+        conn.execute(insert(stability_runs), [
+            {**steady, "tenant": "acme", "documents": 100, "unanimous": 0.95, "distinct_answers": 1.05,
+             "label_flip_rate": 0.02, "details": {"unanimous_ci": [0.89, 0.98]}, "created_at": T0},
+            {**steady, "tenant": "acme", "documents": 100, "unanimous": 0.8, "distinct_answers": 1.25,
+             "label_flip_rate": 0.1, "details": {"unanimous_ci": [0.71, 0.87]}, "created_at": T0 + dt.timedelta(days=1)},
+            {**steady, "pipeline": "p2", "tenant": "initech", "documents": 10, "unanimous": 0.5, "distinct_answers": 2.0,
+             "label_flip_rate": 0.3, "details": {}, "created_at": T0},
+        ])
         conn.execute(insert(llm_calls), [{**calls, **row} for row in (
             # acme: spent 0.25 + 0.5 + 0.75 = $1.50 (the retry costs too), saved $0.50
             {"pipeline": "p1", "tenant": "acme", "outcome": "retry", "cost": 0.25, "error": "schema_invalid"},
@@ -82,8 +92,9 @@ def test_an_empty_store_renders_a_note_per_section(engine: Engine, tmp_path: Pat
     assert path == out / "index.html"
     page = path.read_text()
     assert "idem-etl quality report" in page
-    assert page.count("No data yet") == 5  # grounding and calibration each say what fills them
+    assert page.count("No data yet") == 6  # grounding and calibration each say what fills them
     for name, command in (("accuracy", "etl eval"), ("drift", "etl drift"), ("cost", "etl run"),
+                          ("stability", "etl stability"),
                           ("grounding", "etl run"), ("grounding", "etl eval")):
         assert f"<code>{command}</code>" in section(page, name)
     assert "<svg" not in page
@@ -115,6 +126,11 @@ def test_a_populated_store_renders_charts_and_exact_figures(engine: Engine, tmp_
     assert "$1.50" in acme and "<b>$0.50</b>" in acme and "33.3%" in acme  # 1 cache hit of 3 stage runs
     assert "$0.0040" in globex and "<b>$0.0060</b>" in globex and "25.0%" in globex  # 1 failed of 4
     assert "50.0%" in globex  # cache hit rate: 2 of 4
+
+    # stability: the latest run per tenant, its interval and the change from the run before
+    acme = table_row(section(page, "stability"), "acme")
+    assert "<b>80.0%</b>" in acme and "71.0%–87.0%" in acme and "▼ 15.0 pts" in acme and "1.25" in acme
+    assert "10.0%" in acme and "90.0%" in acme and "100 × 5" in acme and "95.0%" not in acme
 
     # the other pipeline's rows are filtered out of every section
     assert "initech" not in page and "$9.00" not in page and "3.7 / 3" not in page
