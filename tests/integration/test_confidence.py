@@ -351,14 +351,22 @@ async def test_every_paid_answer_is_recorded_whatever_its_parse_raises(store_url
 
 async def test_upgrading_turns_a_json_null_confidence_into_sql_null(store_url: str) -> None:
     """Revision 0013's code stored "no confidence" as JSON null, which ``IS NULL`` does not find."""
+    from alembic import command
+    from alembic.config import Config
+
+    from connectors.store.sql import MIGRATIONS
+
     llm = FakeLLM(lambda request: {"company": "SHOP", "total": 1.0})
     await run_pipeline(pipeline(store_url, [{"id": "r", "text": "SHOP\nTOTAL 1.00"}], Extract(Item, "E.", name="item")),
                        llm=llm)
     engine = create_engine(store_url)
     postgres = engine.dialect.name == "postgresql"
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
     with engine.begin() as conn:  # as that code left it, at that revision
+        config.attributes["connection"] = conn
+        command.downgrade(config, "0014")  # the revisions after it undone
         conn.exec_driver_sql("UPDATE llm_cache SET confidence = " + ("'null'::jsonb" if postgres else "'null'"))
-        conn.exec_driver_sql("UPDATE alembic_version SET version_num = '0014'")
     assert rows(store_url, "SELECT count(*) FROM llm_cache WHERE confidence IS NULL") == [(0,)]
     result = CliRunner().invoke(app, ["db", "upgrade", "--db", store_url])
     assert result.exit_code == 0, result.output
