@@ -164,14 +164,17 @@ class KafkaSource(Source):
             # group keeps this member well within max.poll.interval.ms.
             if time.monotonic() - self._last_poll < self.keepalive_s:
                 return []
-            if not self._paused:
+            # Every partition paused each time (one assigned since is not); one assigned inside this
+            # very poll can still return records: they are handed on, never dropped (the tracker
+            # sees only what poll returns, and would commit past a dropped record).
+            self._last_poll = time.monotonic()
+            try:
                 consumer.pause(*consumer.assignment())
                 self._paused = True
-            # A partition assigned meanwhile (a rebalance inside this poll) is not paused: what it
-            # returns is handed on, never dropped (the tracker sees only what poll returns, and
-            # would commit past a dropped record).
-            self._last_poll = time.monotonic()
-            return self._messages(consumer.poll(timeout_ms=0))
+                return self._messages(consumer.poll(timeout_ms=0))
+            except KafkaError as exc:
+                log.warning("poll_failed", error=type(exc).__name__)
+                return []
         if self._paused:
             consumer.resume(*consumer.paused())
             self._paused = False
@@ -285,17 +288,20 @@ class KafkaSource(Source):
     #: The client this class drives (``ConfluentKafkaSource``: "confluent").
     client_in_use = "kafka-python"
 
-    def like(self, **changes: Any) -> KafkaSource:
-        """A source with this one's settings and ``changes`` (``client=`` picks the class)."""
+    def like(self, *, use: str | None = None, **changes: Any) -> KafkaSource:
+        """A source with this one's settings and ``changes``, on the client ``use`` names (else the
+        one its ``client`` names, else this one's), without storing a ``use`` as its ``client``."""
         args = {"group": self.group, "bootstrap": self.bootstrap, "replay_from": self.replay_from,
                 "dlq_topic": self.dlq_topic, "consumer_config": self.consumer_config, "until_end": self.until_end,
                 "value_format": self.value_format, "client": self.client, **changes}
-        if args["client"] == "confluent":
+        if (use or args["client"] or self.client_in_use) == "confluent":
             try:
-                from connectors.sources.kafka_confluent import ConfluentKafkaSource  # noqa: PLC0415
+                import confluent_kafka  # noqa: F401, PLC0415
             except ImportError as exc:
-                raise ValueError("KafkaSource client='confluent' needs confluent-kafka: "
-                                 "pip install 'idem-etl[confluent]'") from exc
+                raise KafkaUnavailable("KafkaSource client='confluent' (ETL_KAFKA_CLIENT) needs confluent-kafka: "
+                                       "pip install 'idem-etl[confluent]'") from exc
+            from connectors.sources.kafka_confluent import ConfluentKafkaSource  # noqa: PLC0415
+
             made: KafkaSource = ConfluentKafkaSource(self.topic, **args)
         else:
             made = KafkaSource(self.topic, **args)

@@ -38,6 +38,20 @@ def default_llm(settings: Settings) -> LLM:
     return LocalLLM(settings.model_path, threads=settings.model_threads)
 
 
+def with_client(source: KafkaSource, settings: Settings) -> KafkaSource:
+    """``source`` on the client it names, else the ``ETL_KAFKA_CLIENT`` setting's (a subclass of
+    the user's own is left as it is)."""
+    from connectors.sources.kafka_confluent import ConfluentKafkaSource  # noqa: PLC0415
+
+    wanted = source.client or settings.kafka_client
+    if type(source) not in (KafkaSource, ConfluentKafkaSource) or wanted == source.client_in_use:
+        return source
+    try:
+        return source.like(use=wanted)
+    except RuntimeError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
 def priced(llm: LLM, settings: Settings) -> LLM:
     """``llm`` with its price from ``ETL_PRICES`` when it was given none."""
     if llm.price_per_mtok == (0.0, 0.0) and llm.model_id in settings.prices:
@@ -55,8 +69,7 @@ def build_runner(pipeline: Pipeline, settings: Settings | None = None, *, llm: L
     store = SqlStore(store_url or database_url(pipeline, settings))
     source = pipeline.source
     if isinstance(source, KafkaSource):
-        if (source.client or settings.kafka_client) != source.client_in_use:
-            pipeline.source = source = source.like(client=source.client or settings.kafka_client)
+        pipeline.source = source = with_client(source, settings)
         source.bootstrap = source.bootstrap or settings.kafka_bootstrap
         source.consumer_config.setdefault("session_timeout_ms", settings.kafka_session_timeout_ms)
         source.consumer_config.setdefault("heartbeat_interval_ms", settings.kafka_session_timeout_ms // 4)
@@ -106,7 +119,7 @@ def topic_end_offsets(pipeline: Pipeline, settings: Settings) -> dict[tuple[str,
     source = pipeline.source
     if not isinstance(source, KafkaSource):
         return None
-    probe = replay_source(pipeline, None)
+    probe = with_client(replay_source(pipeline, None), settings)
     probe.bootstrap = source.bootstrap or settings.kafka_bootstrap
     try:
         probe.open(None)  # type: ignore[arg-type]  # a replay reader never calls its ledger

@@ -70,6 +70,30 @@ async def test_run_then_replay_from_zero_is_a_no_op(kafka_bootstrap: str, topic:
     assert len(read_all(kafka_bootstrap, f"{topic}.dlq")) == dlq_before  # not republished
 
 
+async def test_a_batch_member_reads_to_the_end_it_found_and_a_replay_from_a_time_reads_what_came_after(
+        kafka_bootstrap: str, topic: str, postgres_url: str) -> None:
+    from datetime import datetime, timezone
+
+    produce(kafka_bootstrap, topic, messages(200))
+    llm = FakeLLM()
+    stats = await run(kafka_pipeline(topic, postgres_url, group=f"{topic}-batch", until_end=True), llm,
+                      kafka_bootstrap, idle=None)  # stops by itself: until_end
+    assert stats.messages == 200 and len(llm.calls) == 200  # type: ignore[attr-defined]
+    time.sleep(1.0)
+    cut = datetime.now(timezone.utc)
+    time.sleep(1.0)
+    later = [(f"n{i}".encode(), json.dumps({"id": f"n{i}", "text": f"new ticket {i}"}).encode()) for i in range(60)]
+    produce(kafka_bootstrap, topic, later)
+    stats = await run(kafka_pipeline(topic, postgres_url, group=f"{topic}-batch", until_end=True), llm,
+                      kafka_bootstrap, idle=None)  # from the stored positions to the new end
+    assert stats.messages == 60 and len(llm.calls) == 260  # type: ignore[attr-defined]
+    replay = FakeLLM()
+    stats = await run(kafka_pipeline(topic, postgres_url, replay_from=cut), replay, kafka_bootstrap, idle=None)
+    assert stats.messages == 60 and replay.calls == []  # type: ignore[attr-defined]  # only what came after; stored
+    assert dict(rows(postgres_url, "SELECT partition, next_offset FROM source_positions")) == end_offsets(
+        kafka_bootstrap, topic)
+
+
 async def test_malformed_message_goes_to_dlq_and_the_next_is_processed(
         kafka_bootstrap: str, topic: str, postgres_url: str) -> None:
     produce(kafka_bootstrap, topic, [(b"x", b"\xff\xfe\x00garbage"), (b"y", b'{"id": "ok", "text": "after the bad one"}')],

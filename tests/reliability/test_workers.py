@@ -54,6 +54,13 @@ def children(pid: int) -> set[int]:
     return found
 
 
+def _status(port: int) -> int:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10).status_code
+    except httpx.TransportError:
+        return 0
+
+
 def committed(url: str) -> int:
     return sum(p for (p,) in rows(url, "SELECT next_offset FROM source_positions WHERE pipeline = 'reliability'"))
 
@@ -68,19 +75,25 @@ def wait_for(condition: object, timeout: float, what: str) -> None:
 @pytest.mark.parametrize("client", ["kafka-python", "confluent"])
 def test_a_sigkilled_worker_and_a_hung_one_are_restarted_and_nothing_is_lost_or_duplicated(
         kafka_bootstrap: str, topic: str, postgres_url: str, tmp_path: Path, client: str) -> None:
-    tickets(kafka_bootstrap, topic)
+    # the topic exists, empty (the fixture made it): both workers join before the work comes
     upgrade(make_engine(postgres_url))
     port = free_port()
+    # calls of ~0.4 s: the run lasts long enough for a kill, a restart and a hang in the middle of it
     supervisor = subprocess.Popen(
         [sys.executable, "-m", "etl.cli", "run", PIPELINE, "--workers", "2", "--stop-when-idle", "5",
          "--metrics-port", str(port)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**environment(kafka_bootstrap, topic, postgres_url, tmp_path, 0.05), "ETL_STALL_S": "4",
+        env={**environment(kafka_bootstrap, topic, postgres_url, tmp_path, 0.4), "ETL_STALL_S": "4",
              "ETL_KAFKA_CLIENT": client})
     try:
         wait_for(lambda: len(children(supervisor.pid)) == 2, 60, "two workers did not start")
         first = children(supervisor.pid)
+        wait_for(lambda: _status(port) == 200, 90, "the workers never became ready")
+        tickets(kafka_bootstrap, topic)
         wait_for(lambda: committed(postgres_url) >= 300, 120, "no progress")
         ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10).json()
+        # both children's series, once each has committed something (the second may still be joining)
+        wait_for(lambda: 'etl_results_written_total{pipeline="reliability",worker="1"}' in httpx.get(
+            f"http://127.0.0.1:{port}/metrics", timeout=10).text, 60, "the second worker's metrics never came")
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
         victim = min(first)
         os.kill(victim, signal.SIGKILL)  # mid-run: its in-flight calls are lost with it
