@@ -288,23 +288,13 @@ class KafkaSource(Source):
     #: The client this class drives (``ConfluentKafkaSource``: "confluent").
     client_in_use = "kafka-python"
 
-    def like(self, *, use: str | None = None, **changes: Any) -> KafkaSource:
-        """A source with this one's settings and ``changes``, on the client ``use`` names (else the
-        one its ``client`` names, else this one's), without storing a ``use`` as its ``client``."""
+    def like(self, cls: type[KafkaSource] | None = None, **changes: Any) -> KafkaSource:
+        """A source with this one's settings and ``changes``, of ``cls`` (default: this one's class;
+        ``etl.runtime.wiring.with_client`` picks the client's)."""
         args = {"group": self.group, "bootstrap": self.bootstrap, "replay_from": self.replay_from,
                 "dlq_topic": self.dlq_topic, "consumer_config": self.consumer_config, "until_end": self.until_end,
                 "value_format": self.value_format, "client": self.client, **changes}
-        if (use or args["client"] or self.client_in_use) == "confluent":
-            try:
-                import confluent_kafka  # noqa: F401, PLC0415
-            except ImportError as exc:
-                raise KafkaUnavailable("KafkaSource client='confluent' (ETL_KAFKA_CLIENT) needs confluent-kafka: "
-                                       "pip install 'idem-etl[confluent]'") from exc
-            from connectors.sources.kafka_confluent import ConfluentKafkaSource  # noqa: PLC0415
-
-            made: KafkaSource = ConfluentKafkaSource(self.topic, **args)
-        else:
-            made = KafkaSource(self.topic, **args)
+        made = (cls or type(self))(self.topic, **args)
         made.keepalive_s, made.connect_timeout_s, made.dlq_max_bytes = (
             self.keepalive_s, self.connect_timeout_s, self.dlq_max_bytes)
         return made

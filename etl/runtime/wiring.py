@@ -46,10 +46,13 @@ def with_client(source: KafkaSource, settings: Settings) -> KafkaSource:
     wanted = source.client or settings.kafka_client
     if type(source) not in (KafkaSource, ConfluentKafkaSource) or wanted == source.client_in_use:
         return source
-    try:
-        return source.like(use=wanted)
-    except RuntimeError as exc:
-        raise ConfigError(str(exc)) from exc
+    if wanted == "confluent":
+        try:
+            import confluent_kafka  # noqa: F401, PLC0415
+        except ImportError as exc:
+            raise ConfigError("KafkaSource client='confluent' (ETL_KAFKA_CLIENT) needs confluent-kafka: "
+                              "pip install 'idem-etl[confluent]'") from exc
+    return source.like(ConfluentKafkaSource if wanted == "confluent" else KafkaSource)
 
 
 def priced(llm: LLM, settings: Settings) -> LLM:

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from etl import Classify, KafkaSource, Pipeline
-from etl.runtime.wiring import build_runner
+from etl.runtime.wiring import build_runner, with_client
 from etl.settings import Settings
 from etl.testing import FakeLLM, ListSource
 from tests.helpers import counts, end_offsets, produce, read_all, rows
@@ -167,7 +167,8 @@ def test_a_full_member_loses_no_message_of_a_partition_assigned_while_it_was_pau
     produce(kafka_bootstrap, topic, messages(400))
     config = {"session_timeout_ms": 6000, "heartbeat_interval_ms": 500}
     full = KafkaSource(topic, group=f"{topic}-g", bootstrap=kafka_bootstrap, consumer_config=config,
-                       client=kafka_client).like()
+                       client=kafka_client)
+    full = with_client(full, Settings())
     full.keepalive_s = 0.0  # every full poll is a keep-alive poll
     seen: dict[int, set[int]] = {}
 
@@ -183,7 +184,8 @@ def test_a_full_member_loses_no_message_of_a_partition_assigned_while_it_was_pau
             take(full.poll(1, 0.2))
         take(full.poll(0, 0.2))  # full from here on: paused
         other = KafkaSource(topic, group=f"{topic}-g", bootstrap=kafka_bootstrap, consumer_config=config,
-                            client=kafka_client).like()
+                            client=kafka_client)
+        other = with_client(other, Settings())
         other.open(_Ledger())
         try:
             deadline = time.monotonic() + 60
