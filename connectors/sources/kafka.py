@@ -25,6 +25,23 @@ from schemas import DeadLetter
 log = structlog.get_logger("connectors.kafka")
 
 
+def letter_record(letter: DeadLetter, max_bytes: int) -> tuple[bytes, list[tuple[str, bytes]]]:
+    """A dead letter as a DLQ message (either client): its original bytes, cut to ``max_bytes``
+    with a ``truncated`` header holding their full length, and reason, detail, position and
+    tenant in headers."""
+    value, headers = letter.payload, [
+        ("reason", letter.reason.encode()),
+        ("detail", letter.detail.encode()[:1000]),
+        ("source", json.dumps(letter.position.model_dump()).encode()),
+    ]
+    if letter.tenant:
+        headers.append(("tenant", letter.tenant.encode()[:1000]))
+    if len(value) > max_bytes:
+        value = value[:max_bytes]
+        headers.append(("truncated", str(len(letter.payload)).encode()))
+    return value, headers
+
+
 class KafkaUnavailable(SourceUnavailable):
     """The broker could not be reached or refused the request (translated to SourceError by etl)."""
 
@@ -255,16 +272,7 @@ class KafkaSource(Source):
         try:
             sent = []
             for letter in letters:
-                value, headers = letter.payload, [
-                    ("reason", letter.reason.encode()),
-                    ("detail", letter.detail.encode()[:1000]),
-                    ("source", json.dumps(letter.position.model_dump()).encode()),
-                ]
-                if letter.tenant:
-                    headers.append(("tenant", letter.tenant.encode()[:1000]))
-                if len(value) > self.dlq_max_bytes:
-                    value = value[: self.dlq_max_bytes]
-                    headers.append(("truncated", str(len(letter.payload)).encode()))
+                value, headers = letter_record(letter, self.dlq_max_bytes)
                 sent.append(self._producer.send(self.dlq_topic, value=value, headers=headers))
             self._producer.flush(timeout=60)
             for future in sent:

@@ -15,7 +15,6 @@ stops with nothing committed past what it handed on. Fatal client errors stop th
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -25,7 +24,7 @@ from typing import Any
 import structlog
 
 from connectors.sources.base import Message, PartitionKey, PartitionLedger
-from connectors.sources.kafka import KafkaSource, KafkaUnavailable
+from connectors.sources.kafka import KafkaSource, KafkaUnavailable, letter_record
 from schemas import DeadLetter
 
 log = structlog.get_logger("connectors.kafka")
@@ -313,16 +312,7 @@ class ConfluentKafkaSource(KafkaSource):
 
         try:
             for letter in letters:
-                value, headers = letter.payload, [
-                    ("reason", letter.reason.encode()),
-                    ("detail", letter.detail.encode()[:1000]),
-                    ("source", json.dumps(letter.position.model_dump()).encode()),
-                ]
-                if letter.tenant:
-                    headers.append(("tenant", letter.tenant.encode()[:1000]))
-                if len(value) > self.dlq_max_bytes:
-                    value = value[: self.dlq_max_bytes]
-                    headers.append(("truncated", str(len(letter.payload)).encode()))
+                value, headers = letter_record(letter, self.dlq_max_bytes)
                 self._producer.produce(self.dlq_topic, value=value, headers=headers, on_delivery=delivered)
             left = self._producer.flush(60)
         except (KafkaException, BufferError) as exc:

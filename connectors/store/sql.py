@@ -117,6 +117,15 @@ def behind(engine: Engine) -> str | None:
     return f"the store's tables are at revision {current}, this etl reads revision {head}: run `etl db upgrade --db URL` first"
 
 
+def cache_entries(conn: Connection, keys: Sequence[str]) -> dict[str, CacheEntry]:
+    """The committed cache entries of ``keys`` (those there are), by key."""
+    found: dict[str, CacheEntry] = {}
+    for (member,) in members(conn, list(keys), llm_cache.c.cache_key):
+        for row in conn.execute(select(llm_cache).where(member)).mappings():
+            found[row["cache_key"]] = CacheEntry(**{k: row[k] for k in CacheEntry.__dataclass_fields__})
+    return found
+
+
 #: Any constant: the PostgreSQL advisory lock that serialises workers migrating at the same time.
 _MIGRATION_LOCK = 0x1DE3E7
 
@@ -301,9 +310,7 @@ class SqlStore(Store, Claims):
                             found.dead_reasons[cache_key] = stage
             # A key whose result is already stored needs no cache look-up (every redelivery).
             stored = {cache_key for cache_key, _ in found.results.values()}
-            for (member,) in members(conn, sorted(set(cache_keys) - stored), llm_cache.c.cache_key):
-                for row in conn.execute(select(llm_cache).where(member)).mappings():
-                    found.cache[row["cache_key"]] = CacheEntry(**{k: row[k] for k in CacheEntry.__dataclass_fields__})
+            found.cache.update(cache_entries(conn, sorted(set(cache_keys) - stored)))
         return found
 
     def unsettled(self, pipeline: str, expected: Sequence[tuple[str, str, str, str]],

@@ -19,6 +19,7 @@ from typing import Any
 from sqlalchemy import Engine, select
 
 from connectors.store.tables import eval_results, llm_calls, stability_runs
+from connectors.store.write import members
 from etl.errors import ConfigError
 from etl.llm.base import LLM
 from etl.pipeline import Pipeline
@@ -93,10 +94,9 @@ def _figures(engine: Engine, pipeline: str, stage: Any, name: str, runs: list[di
         # model on these prompts, now or in an earlier eval); a long document's chunk attempts are
         # under the chunks' keys and not counted here
         keys = sorted({k for r in runs for k in r["cache_keys"]})
-        attempts = [a for start in range(0, len(keys), 500) for a in conn.execute(
+        attempts = [a for (member,) in members(conn, keys, llm_calls.c.cache_key) for a in conn.execute(
             select(llm_calls.c.cache_key, llm_calls.c.outcome, llm_calls.c.error, llm_calls.c.cost,
-                   llm_calls.c.latency_ms).where(llm_calls.c.pipeline == f"{pipeline}#eval",
-                                                 llm_calls.c.cache_key.in_(keys[start:start + 500]))
+                   llm_calls.c.latency_ms).where(llm_calls.c.pipeline == f"{pipeline}#eval", member)
             .order_by(llm_calls.c.id))]
         steady = conn.execute(select(stability_runs.c.unanimous, stability_runs.c.documents).where(
             stability_runs.c.pipeline == pipeline, stability_runs.c.stage == stage.name,

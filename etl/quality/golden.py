@@ -18,6 +18,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, insert, select
 
 from connectors.store.base import CacheEntry
+from connectors.store.sql import cache_entries
 from connectors.store.sql import migrate as upgrade_schema
 from connectors.store.tables import eval_results, eval_runs, golden_examples, llm_cache, llm_calls
 from connectors.store.write import upsert
@@ -150,9 +151,8 @@ async def evaluate(engine: Engine, pipeline: Pipeline, llm: LLM, stage_name: str
         calls = ModelCalls(repairs=repairs)
         gate = asyncio.Semaphore(concurrency)
 
-        async def answer(plan: StagePlan, example: dict[str, Any], hits: dict[str, CacheEntry]) -> Answered:
-            doc = golden_document(example)
-            if (hit := hits.get(plan.key(doc))) is not None:
+        async def answer(plan: StagePlan, doc: Document, key: str, hits: dict[str, CacheEntry]) -> Answered:
+            if (hit := hits.get(key)) is not None:
                 return hit.output, [], None, hit.confidence, hit
             async with gate:
                 return await ask_afresh(calls, plan, doc)
@@ -162,20 +162,18 @@ async def evaluate(engine: Engine, pipeline: Pipeline, llm: LLM, stage_name: str
             own = next(s for s in pipeline.stages_for(tenant_name) if s.name == stage.name)
             model = llm if every_tenant else pipeline.tenant_llms.get(tenant_name, llm)
             plan = StagePlan.of(own, model, repairs)
-            hits = _cached(engine, [plan.key(golden_document(e)) for e in items]) if cache else {}
-            answers = await asyncio.gather(*(answer(plan, e, hits) for e in items))
-            runs.append(_record(engine, pipeline.name, tenant_name, own, plan, model, items, answers,
+            docs = [golden_document(e) for e in items]
+            keys = [plan.key(doc) for doc in docs]
+            hits = _cached(engine, keys) if cache else {}
+            answers = await asyncio.gather(*(answer(plan, d, k, hits) for d, k in zip(docs, keys, strict=True)))
+            runs.append(_record(engine, pipeline.name, tenant_name, own, plan, model, items, answers, keys,
                                 cache=cache))
     return runs
 
 
 def _cached(engine: Engine, keys: list[str]) -> dict[str, CacheEntry]:
-    found: dict[str, CacheEntry] = {}
     with engine.connect() as conn:
-        for start in range(0, len(keys), 500):
-            for row in conn.execute(select(llm_cache).where(llm_cache.c.cache_key.in_(keys[start:start + 500]))).mappings():
-                found[row["cache_key"]] = CacheEntry(**{k: row[k] for k in CacheEntry.__dataclass_fields__})
-    return found
+        return cache_entries(conn, keys)
 
 
 def golden_document(example: dict[str, Any]) -> Document:
@@ -221,7 +219,8 @@ def confidence_pairs(stage: Any, expected: dict[str, Any], predicted: dict[str, 
 
 
 def _record(engine: Engine, pipeline: str, tenant: str, stage: Any, plan: StagePlan, llm: LLM,
-            items: list[dict[str, Any]], answers: list[Answered], cache: bool = False) -> dict[str, Any]:
+            items: list[dict[str, Any]], answers: list[Answered], keys: list[str],
+            cache: bool = False) -> dict[str, Any]:
     """The run and its per-example results; its attempts under ``<pipeline>#eval``; with ``cache``,
     the answers made now in ``llm_cache`` (first answer wins, as in a run)."""
     expected = [e["expected"] for e in items]
@@ -261,9 +260,8 @@ def _record(engine: Engine, pipeline: str, tenant: str, stage: Any, plan: StageP
         if cache:
             fresh = {a[4].cache_key: vars(a[4]) for a in answers if a[4] is not None and a[1]}
             upsert(conn, llm_cache, list(fresh.values()), ("cache_key",), None)
-    # not stored: what a comparison of models reads back (etl.quality.compare)
-    keys = [plan.key(golden_document(e)) for e in items]
-    # what answering the set costs with this model: each answer's own cost (a cached one's as it was
-    # paid, a long document's with its chunks), and a failed one's attempts
+    # not stored, what a comparison of models reads back (etl.quality.compare): what answering the set
+    # costs with this model — each answer's own cost (a cached one's as it was paid, a long
+    # document's with its chunks), and a failed one's attempts
     cost = sum(a[4].cost if a[4] is not None else sum(c.cost for c in a[1]) for a in answers)
     return {**run, "id": run_id, "cache_keys": keys, "calls_now": sum(len(a[1]) for a in answers), "answer_cost": cost}

@@ -36,6 +36,7 @@ from sqlalchemy import Engine, insert, select
 
 from connectors.sources.base import Source
 from connectors.store.sql import migrate as upgrade_schema
+from connectors.store.write import members
 from connectors.store.tables import documents, drift_alerts, golden_examples, llm_calls, stability_runs, stage_results
 from etl.errors import ConfigError, EtlError
 from etl.llm.base import LLM
@@ -243,12 +244,11 @@ def _stored(engine: Engine, pipeline: str, tenant: str, stage: str, keys: list[s
     c, d = stage_results.c, documents.c
     found: dict[str, tuple[str, dict[str, Any], str]] = {}
     with engine.connect() as conn:
-        for start in range(0, len(keys), 500):
+        for (member,) in members(conn, keys, c.doc_key):
             for key, cache_key, output, content in conn.execute(
                     select(c.doc_key, c.cache_key, c.output, d.content_hash).join(
                         documents, (d.pipeline == c.pipeline) & (d.tenant == c.tenant) & (d.doc_key == c.doc_key))
-                    .where(c.pipeline == pipeline, c.tenant == tenant, c.stage == stage,
-                           c.doc_key.in_(keys[start:start + 500]))):
+                    .where(c.pipeline == pipeline, c.tenant == tenant, c.stage == stage, member)):
                 found[key] = (cache_key, output, content)
     return found
 

@@ -54,11 +54,21 @@ def children(pid: int) -> set[int]:
     return found
 
 
-def _status(port: int) -> int:
+def probe(port: int, path: str = "/readyz") -> tuple[int, dict[str, object]]:
+    """(status, JSON answer) of a probe; (0, {}) while nothing listens."""
     try:
-        return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10).status_code
+        response = httpx.get(f"http://127.0.0.1:{port}{path}", timeout=10)
     except httpx.TransportError:
-        return 0
+        return 0, {}
+    return response.status_code, response.json()
+
+
+def stop(worker: subprocess.Popen[str]) -> tuple[str, str, float]:
+    """SIGTERM: (stdout, stderr, seconds from the signal to the exit)."""
+    worker.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    out, err = worker.communicate(timeout=60)
+    return out, err, time.monotonic() - signalled
 
 
 def committed(url: str) -> int:
@@ -87,10 +97,10 @@ def test_a_sigkilled_worker_and_a_hung_one_are_restarted_and_nothing_is_lost_or_
     try:
         wait_for(lambda: len(children(supervisor.pid)) == 2, 60, "two workers did not start")
         first = children(supervisor.pid)
-        wait_for(lambda: _status(port) == 200, 90, "the workers never became ready")
+        wait_for(lambda: probe(port)[0] == 200, 90, "the workers never became ready")
         tickets(kafka_bootstrap, topic)
         wait_for(lambda: committed(postgres_url) >= 300, 120, "no progress")
-        ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=10).json()
+        ready = probe(port)[1]
         # both children's series, once each has committed something (the second may still be joining)
         wait_for(lambda: 'etl_results_written_total{pipeline="reliability",worker="1"}' in httpx.get(
             f"http://127.0.0.1:{port}/metrics", timeout=10).text, 60, "the second worker's metrics never came")
@@ -132,10 +142,7 @@ def test_the_drain_deadline_exits_a_stuck_worker_and_a_restart_resumes_exactly(
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         wait_for(lambda: committed(postgres_url) > 0, 120, "no progress")
-        worker.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        out, err = worker.communicate(timeout=60)
-        took = time.monotonic() - signalled
+        out, err, took = stop(worker)
     finally:
         if worker.poll() is None:
             worker.kill()
@@ -185,10 +192,8 @@ def test_sigterm_drains_mid_run_and_nothing_is_lost_or_paid_twice(
         try:
             before = paid()
             wait_for(lambda: paid() >= before + 10, 120, f"no calls after SIGTERM {number}")  # noqa: B023
-            worker.send_signal(signal.SIGTERM)  # mid-run: calls in flight, more read ahead
-            signalled = time.monotonic()
-            _, err = worker.communicate(timeout=60)
-            drains.append(time.monotonic() - signalled)
+            _, err, took = stop(worker)  # mid-run: calls in flight, more read ahead
+            drains.append(took)
         finally:
             if worker.poll() is None:
                 worker.kill()
@@ -216,29 +221,19 @@ def test_readyz_is_false_while_postgres_is_down_and_true_after(
     worker = subprocess.Popen([sys.executable, "-m", "etl.cli", "run", PIPELINE, "--metrics-port", str(port)],
                               env=environment(kafka_bootstrap, topic, postgres_url, tmp_path, 0.05), cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    probe = f"http://127.0.0.1:{port}"
-
-    def answer(path: str) -> tuple[int, dict[str, object]]:
-        try:
-            response = httpx.get(probe + path, timeout=10)
-        except httpx.TransportError:
-            return 0, {}
-        return response.status_code, response.json()
-
     try:
-        wait_for(lambda: answer("/readyz")[0] == 200, 90, "the worker never became ready")
+        wait_for(lambda: probe(port)[0] == 200, 90, "the worker never became ready")
         subprocess.run([SERVICES, "stop-postgres"], check=True, capture_output=True, timeout=120)
         try:
-            status, body = answer("/readyz")
+            status, body = probe(port)
             assert status == 503 and body["store"]["ok"] is False, body  # type: ignore[index]
-            assert answer("/healthz")[0] == 200  # alive: waiting out the database is not a reason to restart
+            assert probe(port, "/healthz")[0] == 200  # alive: waiting out the database is not a reason to restart
         finally:
             subprocess.run([SERVICES, "start-postgres"], check=True, capture_output=True, timeout=180)
-        wait_for(lambda: answer("/readyz")[0] == 200, 60, "not ready again after PostgreSQL came back")
+        wait_for(lambda: probe(port)[0] == 200, 60, "not ready again after PostgreSQL came back")
         tickets(kafka_bootstrap, topic)  # and it still works
         wait_for(lambda: rows(postgres_url, "SELECT count(*) FROM stage_results")[0][0] == N, 120, "not processed")
-        worker.send_signal(signal.SIGTERM)
-        out, err = worker.communicate(timeout=60)
+        out, err, _ = stop(worker)
     finally:
         if worker.poll() is None:
             worker.kill()
@@ -253,23 +248,12 @@ def test_a_worker_stopped_while_waiting_for_its_store_at_start_up_is_alive_meanw
                               env={**environment(kafka_bootstrap, topic, unreachable, tmp_path, 0.05),
                                    "ETL_STALL_S": "2", "ETL_STORE_RETRY_S": "300"},
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    probe = f"http://127.0.0.1:{port}"
-
-    def healthz() -> int:
-        try:
-            return httpx.get(probe + "/healthz", timeout=10).status_code
-        except httpx.TransportError:
-            return 0
-
     try:
-        wait_for(lambda: healthz() == 200, 60, "no probes")
+        wait_for(lambda: probe(port, "/healthz")[0] == 200, 60, "no probes")
         time.sleep(4)  # twice ETL_STALL_S, waiting for the store: starting, not stuck
-        assert healthz() == 200
-        assert httpx.get(probe + "/readyz", timeout=10).status_code == 503
-        worker.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        out, err = worker.communicate(timeout=60)
-        took = time.monotonic() - signalled
+        assert probe(port, "/healthz")[0] == 200
+        assert probe(port)[0] == 503
+        out, err, took = stop(worker)
     finally:
         if worker.poll() is None:
             worker.kill()
