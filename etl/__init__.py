@@ -30,7 +30,7 @@ from etl.runtime.decode import Decoder
 from etl.runtime.stats import RunStats
 from etl.runtime.wiring import run_pipeline
 from etl.settings import Settings
-from etl.tenancy import ReviewSampling
+from etl.tenancy import Budget, ReviewSampling
 from etl.stages import Classify, Extract, Router, Stage, label_in
 from etl.validators import Check, date_parses, non_negative, not_empty
 from schemas import Classification, Receipt
@@ -38,6 +38,7 @@ from schemas import Classification, Receipt
 __all__ = [
     "AnthropicLLM",
     "BadInput",
+    "Budget",
     "BudgetExceeded",
     "Check",
     "Classification",

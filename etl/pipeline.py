@@ -15,7 +15,7 @@ from etl.runtime.decode import Decoder
 from etl.errors import ConfigError
 from etl.llm.base import LLM
 from etl.stages import Classify, Extract, LabelIn, Stage
-from etl.tenancy import ReviewSampling
+from etl.tenancy import Budget, ReviewSampling
 
 
 class Pipeline:
@@ -31,8 +31,9 @@ class Pipeline:
         tenant_overrides: ``{tenant: {stage name: {argument: value}}}``, e.g. other instructions or
             labels for one tenant. Overrides are part of that tenant's stage fingerprints.
         tenant_llms: ``{tenant: LLM}``: a tenant's own model.
-        budgets: ``{tenant: tokens per UTC day}``; beyond it documents are quarantined with reason
-            ``budget_exceeded`` (replay them with ``etl dlq replay`` the next day).
+        budgets: ``{tenant: tokens per UTC day}`` or ``{tenant: Budget(...)}``; beyond it documents
+            are quarantined with reason ``budget_exceeded`` (replay them with ``etl dlq replay`` the
+            next day). A ``Budget`` may name a cheaper fallback model that answers over a soft limit.
         review: Which results are sampled into the review queue (None: none).
         models: ``{name: LLM}``: candidates to compare on the golden set (``etl eval --models
             NAME,NAME``); they answer nothing in a run.
@@ -49,7 +50,7 @@ class Pipeline:
         *,
         tenant_overrides: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None,
         tenant_llms: Mapping[str, LLM] | None = None,
-        budgets: Mapping[str, int] | None = None,
+        budgets: Mapping[str, int | Budget] | None = None,
         review: ReviewSampling | None = ReviewSampling(),  # noqa: B008 - frozen, shared safely
         models: Mapping[str, LLM] | None = None,
     ) -> None:
@@ -64,7 +65,7 @@ class Pipeline:
         self.llm = llm
         self.decoder = decoder or Decoder()
         self.tenant_llms = dict(tenant_llms or {})
-        self.budgets = dict(budgets or {})
+        self.budgets = {tenant: b if isinstance(b, Budget) else Budget(b) for tenant, b in (budgets or {}).items()}
         self.review = review
         self.models = dict(models or {})
         #: Where ``load_pipeline`` found it (a path or module:attr), for messages that say what to run.
@@ -80,6 +81,11 @@ class Pipeline:
                 stage.override(**by_stage[stage.name]) if stage.name in by_stage else stage for stage in self.stages
             ]
         self._check_tables()
+        for tenant, budget in self.budgets.items():
+            if isinstance(budget.fallback, Mapping):
+                unknown = sorted(set(budget.fallback) - {stage.name for stage in self.stages_for(tenant)})
+                if unknown:
+                    raise ConfigError(f"budgets[{tenant!r}].fallback names unknown stage(s) {unknown}")
 
     def stages_for(self, tenant: str) -> list[Stage]:
         """The stages as this tenant runs them (with its overrides)."""

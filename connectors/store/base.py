@@ -74,6 +74,9 @@ class DocumentOutcome:
     #: ``field_spans`` rows of Extract results: written with, and replaced like, the results.
     chunks: tuple[dict[str, Any], ...] = ()
     spans: tuple[dict[str, Any], ...] = ()
+    #: Keys this document claimed whose answer is cached under another key (a budget's fallback
+    #: model's): their claims go when this commits, as a cached key's do.
+    claimed: tuple[str, ...] = ()
     #: The message's original bytes: what a ``store_rejected`` dead letter keeps if the store
     #: refuses this outcome.
     payload: bytes = b""

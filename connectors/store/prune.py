@@ -16,7 +16,7 @@ files make (they are what ran last), and a stage the files no longer have named 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Set
+from collections.abc import Mapping, Sequence, Set
 from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import ColumnElement, Connection, Engine, MetaData, Table, delete, func, inspect, select
@@ -25,8 +25,9 @@ from connectors.store.tables import cache_texts, llm_cache, llm_calls, metadata,
 
 
 #: pipeline → tenant ("" for every tenant without a configuration of its own) → stage → the
-#: fingerprint its documents get there.
-Live = Mapping[str, Mapping[str, Mapping[str, str]]]
+#: fingerprint its documents get there, or the fingerprints (the main model's first, then a
+#: budget's fallback model's, whose answers are live too).
+Live = Mapping[str, Mapping[str, Mapping[str, str | Sequence[str]]]]
 
 
 class Refused(Exception):  # noqa: N818 - it says what happened: nothing was deleted
@@ -47,6 +48,10 @@ def stored_pipelines(conn: Connection) -> set[str]:
         if "pipeline" in table.c and table.name in present and table.name not in _NOT_USE:
             names.update(conn.execute(select(table.c.pipeline).distinct()).scalars())
     return {name.removesuffix("#eval").removesuffix("#stability") for name in names if name is not None}
+
+
+def _fingerprints(given: str | Sequence[str] | None) -> set[str]:
+    return set() if given is None else {given} if isinstance(given, str) else set(given)
 
 
 def _configuration(by_tenant: Mapping[str, Mapping[str, str]], tenant: str) -> str:
@@ -73,16 +78,19 @@ def check(conn: Connection, live: Live, drop_stages: Set[str] = frozenset()) -> 
         raise Refused(f"the store also holds pipeline(s) {', '.join(others)}: give their files too (they may use "
                       "cache entries the others do not), or `etl tenant purge` their tenants first")
     c, k, r = llm_calls.c, llm_cache.c, stage_results.c
-    newest = select(c.pipeline, c.tenant, c.stage, func.max(c.id).label("id")).join(
+    # the newest call per fingerprint: a budget's fallback answers some days, and the main model's
+    # fingerprint must be proven by the newest call that is not the fallback's
+    newest = select(c.pipeline, c.tenant, c.stage, k.fingerprint, func.max(c.id).label("id")).join(
         llm_cache, k.cache_key == c.cache_key).where(c.pipeline.in_(sorted(live))).group_by(
-        c.pipeline, c.tenant, c.stage).subquery()
+        c.pipeline, c.tenant, c.stage, k.fingerprint)
     called: dict[tuple[str, str, str], tuple[int, str]] = {}
-    for pipeline, tenant, stage, id_, fingerprint in conn.execute(
-            select(newest.c.pipeline, newest.c.tenant, newest.c.stage, newest.c.id, k.fingerprint).join(
-                llm_calls, c.id == newest.c.id).join(llm_cache, k.cache_key == c.cache_key)):
+    for pipeline, tenant, stage, fingerprint, id_ in conn.execute(newest):
         at = (pipeline, _configuration(live[pipeline], tenant), stage)
-        if at not in called or id_ > called[at][0]:
-            called[at] = (id_, fingerprint)
+        given = live[pipeline][at[1]].get(stage)
+        fallback = not isinstance(given, str) and given is not None and fingerprint in list(given)[1:]
+        rank = (not fallback, id_)  # any call not the fallback's outranks the fallback's
+        if at not in called or rank > called[at][0]:
+            called[at] = (rank, fingerprint)  # type: ignore[assignment]
     results: dict[tuple[str, str, str], set[str]] = {}
     for pipeline, tenant, stage, fingerprint in conn.execute(
             select(r.pipeline, r.tenant, r.stage, r.fingerprint).where(r.pipeline.in_(sorted(live))).distinct()):
@@ -95,9 +103,9 @@ def check(conn: Connection, live: Live, drop_stages: Set[str] = frozenset()) -> 
             if stage not in drop_stages and f"{pipeline}/{stage}" not in drop_stages:
                 dropped.add(f"{pipeline}/{stage}")
             continue
-        fingerprint = by_tenant[configuration].get(stage)
+        fingerprints = _fingerprints(by_tenant[configuration].get(stage))
         at = (pipeline, configuration, stage)
-        if fingerprint not in ({called[at][1]} if at in called else results.get(at, set())):
+        if not fingerprints & ({called[at][1]} if at in called else results.get(at, set())):
             unproven.append(f"{pipeline}/{configuration or 'default configuration'}/{stage}")
     if unproven:
         raise Refused(f"{', '.join(unproven[:5])}{' …' if len(unproven) > 5 else ''}: its newest answer is not at "
@@ -114,7 +122,8 @@ def prune(engine: Engine, live: Live, retention_days: float, *, dry_run: bool, d
     ``retention_days``: deleted in one transaction unless ``dry_run`` (then only counted), after
     ``check`` in the same transaction (Refused: nothing deleted). ``kept_stale_results`` counts
     results of live stages at an older fingerprint (kept, see the module)."""
-    fingerprints = {fp for by_tenant in live.values() for stages in by_tenant.values() for fp in stages.values()}
+    fingerprints = {fp for by_tenant in live.values() for stages in by_tenant.values() for given in stages.values()
+                    for fp in _fingerprints(given)}
     if not fingerprints:
         raise ValueError("no live stage fingerprints: every cache entry would look dead")
     stages = _stage_names(live)

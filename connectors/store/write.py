@@ -237,8 +237,9 @@ class BatchWriter:
         # cached (a later run may retry it), but workers waiting on its key take it until the
         # holder's lease ends rather than pay for it again.
         failed = [{"k": key, "r": reason} for key, reason in sorted(letters.items()) if key not in cache]
-        lock_claims(conn, sorted(set(cache) | {row["k"] for row in failed}))
-        for (member,) in members(conn, sorted(cache), llm_claims.c.cache_key):
+        answered = set(cache) | {key for o in batch.outcomes for key in o.claimed}
+        lock_claims(conn, sorted(answered | {row["k"] for row in failed}))
+        for (member,) in members(conn, sorted(answered), llm_claims.c.cache_key):
             conn.execute(delete(llm_claims).where(member))
         if failed:
             conn.execute(update(llm_claims).where(llm_claims.c.cache_key == bindparam("k"))

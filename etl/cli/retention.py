@@ -45,7 +45,9 @@ def prune(pipelines: Annotated[list[str], typer.Argument(help=(
         fail(f"pipeline(s) {', '.join(sorted({n for n in names if names.count(n) > 1}))} given twice: give the one "
              "file each pipeline runs now")
     # pipeline → tenant configuration ("": every tenant without its own) → stage → fingerprint
-    live = {p.name: {tenant: {plan.stage.name: plan.fingerprint for plan in plans} for tenant, plans in
+    live = {p.name: {tenant: {plan.stage.name: (plan.fingerprint, *(() if plan.fallback is None else
+                                                                  (plan.fallback.fingerprint,)))
+                              for plan in plans} for tenant, plans in
                      plans_by_tenant(p, p.llm or default_llm(settings), settings.repairs).items()} for p in loaded}
     drop = frozenset(drop_stage or ())
     url = db or database_url(loaded[0], settings)

@@ -17,7 +17,7 @@ from typing import Any
 
 from sqlalchemy import Engine, case, func, inspect, select, text
 
-from connectors.store.tables import drift_alerts, eval_runs, field_spans, stability_runs
+from connectors.store.tables import drift_alerts, eval_runs, field_spans, stability_runs, stage_results
 
 #: Okabe-Ito minus yellow: tells tenants apart under the common colour-vision deficiencies.
 PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#7F7F7F")
@@ -247,6 +247,18 @@ def _grounding(engine: Engine, pipeline: str | None) -> list[Row]:
     return rows
 
 
+def _answered(engine: Engine, pipeline: str | None) -> list[Row]:
+    """Stored results per pipeline × tenant × stage × the model that answered (a budget's fallback
+    model, a router's student and the main model apart)."""
+    if "stage_results" not in inspect(engine).get_table_names():
+        return []
+    c = stage_results.c
+    query = select(c.pipeline, c.tenant, c.stage, c.model, func.count().label("results")).group_by(
+        c.pipeline, c.tenant, c.stage, c.model).order_by(c.pipeline, c.tenant, c.stage, func.count().desc(), c.model)
+    with engine.connect() as conn:
+        return [dict(r) for r in conn.execute(query.where(c.pipeline == pipeline) if pipeline else query).mappings()]
+
+
 def _stability(engine: Engine, pipeline: str | None) -> list[Row]:
     """Every ``etl stability`` run, oldest first."""
     if "stability_runs" not in inspect(engine).get_table_names():
@@ -270,7 +282,8 @@ def write_report(engine: Engine, out_dir: Path, pipeline: str | None = None) -> 
     evals, drifts, costs = _fetch(engine, pipeline)
     grounded = _grounding(engine, pipeline)
     stable = _stability(engine, pipeline)
-    multi = len({r["pipeline"] for r in evals + drifts + costs + grounded + stable}) > 1
+    answered = _answered(engine, pipeline)
+    multi = len({r["pipeline"] for r in evals + drifts + costs + grounded + stable + answered}) > 1
     def who(r: Row) -> str:  # tenants are only unique within a pipeline
         return f"{r['pipeline']}/{r['tenant']}" if multi else str(r["tenant"])
     colours: dict[str, str] = {}
@@ -408,6 +421,16 @@ def write_report(engine: Engine, out_dir: Path, pipeline: str | None = None) -> 
                                        for r in costs], 1))
     else:
         cost.append(_empty("etl run"))
+    if answered:
+        per_stage: dict[tuple[str, str, str], int] = {}
+        for r in answered:
+            per_stage[(r["pipeline"], r["tenant"], r["stage"])] = per_stage.get(
+                (r["pipeline"], r["tenant"], r["stage"]), 0) + r["results"]
+        cost.append("<h3>Who answered</h3><p class=\"sub\">Stored results by the model that gave them: the main "
+                    "model, a budget's cheaper fallback over its soft limit, or a router's student.</p>")
+        cost.append(_table(["Tenant", "Stage", "Model", "Results", "Share of the stage"], [
+            [_e(who(r)), _e(r["stage"]), _e(r["model"]), f"{r['results']:,}",
+             _pct(r["results"] / per_stage[(r["pipeline"], r["tenant"], r["stage"])])] for r in answered], 3))
 
     over = sum(1 for r in drifts if r["score"] > r["threshold"])
     cards = [("eval runs", str(len(evals))), ("drift alerts over threshold", str(over)),

@@ -56,11 +56,18 @@ def _wait_for_provider(state: RetryCallState) -> float:
 
 def plans_by_tenant(pipeline: Any, llm: LLM, repairs: int) -> dict[str, list[StagePlan]]:
     """The stage plans of each tenant configuration: ``""`` for every tenant without its own
-    (overrides or model), then each configured tenant's."""
+    (overrides, model or a budget's fallback model), then each configured tenant's."""
+
+    def plan(tenant: str, stage: Any) -> StagePlan:
+        made = StagePlan.of(stage, pipeline.tenant_llms.get(tenant, llm), repairs)
+        budget = pipeline.budgets.get(tenant)
+        cheaper = None if budget is None else budget.fallback_for(stage.name)
+        return made if cheaper is None else dataclasses.replace(made, fallback=StagePlan.of(stage, cheaper, repairs))
+
+    fallbacks = {tenant for tenant, budget in pipeline.budgets.items() if budget.fallback is not None}
     return {"": [StagePlan.of(stage, llm, repairs) for stage in pipeline.stages],
-            **{tenant: [StagePlan.of(stage, pipeline.tenant_llms.get(tenant, llm), repairs)
-                        for stage in pipeline.stages_for(tenant)]
-               for tenant in sorted({*pipeline.tenant_stages, *pipeline.tenant_llms})}}
+            **{tenant: [plan(tenant, stage) for stage in pipeline.stages_for(tenant)]
+               for tenant in sorted({*pipeline.tenant_stages, *pipeline.tenant_llms, *fallbacks})}}
 
 
 @dataclass
@@ -130,19 +137,38 @@ class ModelCalls:
         self.repairs = repairs
         self.budgets = budgets
 
-    async def claim_or_wait(self, plan: StagePlan, document: Document, key: str) -> Computed:
+    async def asks_fallback(self, plan: StagePlan, tenant: str) -> bool:
+        """Whether a fresh answer of ``plan`` for ``tenant`` comes from its budget's fallback model now."""
+        return plan.fallback is not None and self.budgets is not None and await self.budgets.over_soft(tenant)
+
+    async def ask(self, plan: StagePlan, document: Document, key: str, cheaper: bool = True) -> Computed:
+        """``compute`` by the model the budget picks now: the plan's, or over the tenant's soft limit
+        (when ``cheaper``) its fallback's, whose answer is under the fallback's own key."""
+        if cheaper and await self.asks_fallback(plan, document.tenant):
+            assert plan.fallback is not None  # noqa: S101
+            return await self.compute(plan.fallback, document, plan.fallback.key(document))
+        return await self.compute(plan, document, key)
+
+    async def claim_or_wait(self, plan: StagePlan, document: Document, key: str, cheaper: bool = True) -> Computed:
         """Calls the model only while holding the key's claim; otherwise waits for the holder's
         committed result (or for its lease to lapse, if it crashed), or takes the holder's failure.
         A worker whose lease lapsed while the model worked, and was taken, keeps the attempts it
-        paid for but not its answer: one answer per key is written."""
+        paid for but not its answer: one answer per key is written.
+
+        ``key`` is the plan's own, claimed whichever model answers: workers that disagree on a
+        tenant's budget (each counts its own calls) still ask one model at a time for a content,
+        and a waiter takes the answer under either model's key (``Computed.entry.cache_key``)."""
         if self.peers is None:
-            return await self.compute(plan, document, key)
+            return await self.ask(plan, document, key, cheaper)
+        other = plan.fallback.key(document) if cheaper and plan.fallback is not None else None
         delay, paid = 0.05, []
         while True:
             # A claim is refused for a key that is already cached, so winning one means computing.
             state = await self.peers.claim(key)
             if state == MINE:
-                computed = await self.compute(plan, document, key)
+                if other is not None and (entry := await self.peers.cached(other)) is not None:
+                    return Computed(entry=entry, calls=paid, attempts=0, latency_ms=0.0, from_peer=True)
+                computed = await self.ask(plan, document, key, cheaper)
                 if self.peers.lost(key):
                     state = await self.peers.claim(key)  # taken meanwhile, or still free?
                 if state == MINE:
@@ -151,6 +177,8 @@ class ModelCalls:
             if state != HELD:
                 raise StageFailed(PeerFailed(state), paid)
             entry = await self.peers.cached(key)
+            if entry is None and other is not None:
+                entry = await self.peers.cached(other)
             if entry is not None:
                 return Computed(entry=entry, calls=paid, attempts=0, latency_ms=0.0, from_peer=True)
             await asyncio.sleep(delay)

@@ -67,7 +67,7 @@ class Executor:
         self.seen_labels: set[tuple[str, str, str]] = set()
         self.flights: SingleFlight[Computed] = SingleFlight()
         #: What ``_about`` says of each plan list (lists held, so their ids stay theirs).
-        self._about_plans: dict[int, tuple[Sequence[StagePlan], tuple[list[str], list[str], bool]]] = {}
+        self._about_plans: dict[int, tuple[Sequence[StagePlan], tuple[list[str], list[str], bool, bool]]] = {}
         #: ``etl dlq replay``: quarantined documents are retried instead of being no-ops.
         self.retry_dead_letters = retry_dead_letters
         #: The routed stages' active students (see ``etl.quality.router``), if any stage has a router.
@@ -77,19 +77,26 @@ class Executor:
         """The document's cache key for each of its tenant's stages, in plan order."""
         return cache_keys(document.tenant, self._about(document.tenant)[1], document.content_hash)
 
+    def alternates(self, document: Decoded | Document) -> list[str]:
+        """The document's cache keys under its tenant's fallback models (``Budget.fallback``), for
+        the stages that have one: a stored or cached answer under them serves the stage too."""
+        if not self._about(document.tenant)[3]:
+            return []
+        return [plan.fallback.key(document) for plan in self.plans_for(document.tenant) if plan.fallback is not None]
+
     def stage_names(self, tenant: str) -> list[str]:
         """The tenant's stage names, in plan order (as ``keys``)."""
         return self._about(tenant)[0]
 
-    def _about(self, tenant: str) -> tuple[list[str], list[str], bool]:
-        """(stage names, fingerprints, whether any stage has a when= predicate) of a tenant's plans,
-        which never change during a run."""
+    def _about(self, tenant: str) -> tuple[list[str], list[str], bool, bool]:
+        """(stage names, fingerprints, whether any stage has a when= predicate, whether any has a
+        fallback model) of a tenant's plans, which never change during a run."""
         plans = self.plans_for(tenant)
         about = self._about_plans.get(id(plans))
         if about is None or about[0] is not plans:  # by the list: tenants without overrides share one
             about = self._about_plans[id(plans)] = (plans, (
                 [plan.stage.name for plan in plans], [plan.fingerprint for plan in plans],
-                any(plan.stage.when is not None for plan in plans)))
+                any(plan.stage.when is not None for plan in plans), any(plan.fallback is not None for plan in plans)))
         return about[1]
 
     def try_stored(self, document: Decoded | Document, lookup: Lookup, keys: Sequence[str]) -> int | None:
@@ -103,7 +110,7 @@ class Executor:
             # Every stage applies and none can be quarantined: stored means every key is.
             for plan, key in zip(plans, keys, strict=True):
                 stored = lookup.results.get((tenant, doc_key, plan.stage.name))
-                if stored is None or stored[0] != key:
+                if stored is None or (stored[0] != key and stored[0] != _fallback_key(plan, document)):
                     return None
             return len(plans)
         hits = 0
@@ -118,8 +125,9 @@ class Executor:
                     continue
             except Exception:  # noqa: BLE001 - run() turns it into a dead letter
                 return None
-            dead = key in lookup.dead.get(ref, ()) and not self.retry_dead_letters
-            if (stored is None or stored[0] != key) and not dead:
+            either = _either(plan, key, document)
+            dead = not self.retry_dead_letters and any(k in lookup.dead.get(ref, ()) for k in either)
+            if (stored is None or stored[0] not in either) and not dead:
                 return None
             hits += 1
             if dead:
@@ -168,7 +176,10 @@ class Executor:
             if not applies:
                 continue
             tally.stage_runs += 1
-            if stored is not None and stored[0] == key and (
+            # the keys an answer of this stage may be stored or cached under: the plan's, and its
+            # fallback model's (a tenant over its soft budget), which serves a redelivery as well
+            either = _either(plan, key, document)
+            if stored is not None and stored[0] in either and (
                     stored[1] is None or (reused := _revalidated(stage, stored[1])) is not None):
                 # Redelivery: this exact result is already committed. Nothing to call or write.
                 tally.stored_hits += 1
@@ -177,13 +188,14 @@ class Executor:
                 if stored[1] is not None:  # outputs are looked up whenever a when= predicate may read them
                     outputs[stage.name] = reused
                 continue
-            if key in lookup.dead.get(ref, ()) and not self.retry_dead_letters:
+            letter = next((k for k in either if k in lookup.dead.get(ref, ())), None)
+            if letter is not None and not self.retry_dead_letters:
                 tally.stored_hits += 1
-                if key in lookup.restated:
+                if letter in lookup.restated:
                     # This content failed at an older position of the document: the newer copy
                     # ends the same way, at its own position, without a call.
-                    reason = lookup.dead_reasons.get(key, "stage_error")
-                    return self._dead(document, payload, stage.name, key, reason,
+                    reason = lookup.dead_reasons.get(letter, "stage_error")
+                    return self._dead(document, payload, stage.name, letter, reason,
                                       f"the same content already failed ({reason}) at an older position; "
                                       "`etl dlq replay` retries it", None, work, settles)
                 # Already ended as a dead letter for this content and fingerprint: nothing more to
@@ -192,12 +204,19 @@ class Executor:
                 if not work.results and not self._stale(ref, plans, lookup, stored_stages):
                     return DocumentOutcome(document=None)
                 return self._outcome(document, payload, work, settles, letter_stands=True)
-            entry = lookup.cache.get(key) or (lookup.held.get(key) if key in lookup.restated else None)
-            # A cached answer the stage's checks now refuse is asked again (without claims: a cached
-            # key cannot be claimed); re-validating never stops a run.
-            fresh = (stored is not None and stored[0] == key) or (
-                entry is not None and _revalidated(stage, entry.output) is None)
-            entry = None if fresh else entry
+            main, main_key = plan, key
+            entry, refused = None, False
+            for k, p in zip(either, (plan, plan.fallback), strict=False):  # the plan's own answer first
+                found = lookup.cache.get(k) or (lookup.held.get(k) if k in lookup.restated else None)
+                if found is not None and _revalidated(stage, found.output) is None:
+                    refused = True
+                elif found is not None:
+                    entry = found
+                    plan, key = p, k  # type: ignore[assignment] # an answer of the fallback is the fallback's result
+                    break
+            # A cached (or stored) answer the stage's checks now refuse is asked again (without claims:
+            # a cached key cannot be claimed); re-validating never stops a run.
+            fresh = entry is None and (refused or (stored is not None and stored[0] in either))
             shared = entry is not None
             computed: Computed | None = None
             leads = False  # whether this document made the model calls of its stage's flight
@@ -213,14 +232,24 @@ class Executor:
                     continue
                 if answered is not None:
                     shadow = (live, answered)  # also asked of the LLM, whose answer is stored
+            # Over the tenant's soft budget its cheaper model answers, under its own key; the flight
+            # and the claim stay the plan's key whichever model answers, so one content is asked of
+            # one model at a time. A shadow check still asks the main model (the student is
+            # certified against it).
+            cheaper = shadow is None and plan.fallback is not None
+            in_chunks = False
             if entry is None:
-                parts = plan.chunks(document.content)
-                if len(parts) > 1:  # a long document: its chunks are the cache units
-                    compute = functools.partial(answer_in_chunks, self.flights, self.calls, plan, document, key,
-                                                stage.chunks_to_ask(parts))
+                use = plan
+                if cheaper and plan.chunk_tokens is not None and await self.calls.asks_fallback(plan, document.tenant):
+                    use = plan.fallback  # type: ignore[assignment] # the fallback's chunks are its own
+                parts = use.chunks(document.content)
+                in_chunks = len(parts) > 1
+                if in_chunks:  # a long document: its chunks are the cache units
+                    compute = functools.partial(answer_in_chunks, self.flights, self.calls, use, document,
+                                                use.key(document), stage.chunks_to_ask(parts))
                 else:
-                    compute = functools.partial(self.calls.compute if fresh else self.calls.claim_or_wait, plan,
-                                                document, key)
+                    compute = functools.partial(self.calls.ask if fresh else self.calls.claim_or_wait, plan,
+                                                document, key, cheaper)
                 # Only the flight's leader counts and records its attempts: a follower in this
                 # worker shares the leader's answer or failure, not its spend.
                 leads = key not in self.flights
@@ -244,6 +273,10 @@ class Executor:
                                       work, settles)
                 entry = computed.entry
                 shared = shared or computed.from_peer
+                if entry.cache_key != main_key:  # the fallback's answer: its plan, its key
+                    plan, key = main.fallback, entry.cache_key  # type: ignore[assignment]
+                    if not in_chunks:
+                        work.claimed.append(main_key)  # claimed, answered under the fallback's key
             output = stage.output_model.model_validate(entry.output)
             outputs[stage.name] = output
             if shared and key in lookup.restated:
@@ -266,7 +299,7 @@ class Executor:
                 work.cache.append(entry)
                 work.cache.extend(computed.chunk_entries)
                 attempts, latency = computed.attempts, computed.latency_ms
-                if getattr(stage, "router", None) is not None:
+                if getattr(stage, "router", None) is not None and plan is main:
                     work.texts.append((key, document.content))  # the next student's training set
                 if shadow is not None and self.students is not None:
                     live, (_, mine) = shadow
@@ -320,7 +353,8 @@ class Executor:
                                typed_rows=tuple(work.typed), calls=tuple(work.calls), cache=tuple(work.cache),
                                dead_letter=dead_letter, letter_stands=letter_stands, settles_dead_letters=settles,
                                reviews=tuple(work.reviews), payload=payload, texts=tuple(work.texts),
-                               checks=tuple(work.checks), chunks=tuple(work.chunks), spans=tuple(work.spans))
+                               checks=tuple(work.checks), chunks=tuple(work.chunks), spans=tuple(work.spans),
+                               claimed=tuple(work.claimed))
 
     def _sample_review(self, document: Document, stage: str, output: dict[str, Any], work: _Work) -> None:
         if self.review is not None and (why := self.review.reason(
@@ -349,6 +383,15 @@ class Executor:
         return cls._outcome(document, payload, work, settles, letter)
 
 
+def _fallback_key(plan: StagePlan, document: Decoded | Document) -> str | None:
+    return None if plan.fallback is None else plan.fallback.key(document)
+
+
+def _either(plan: StagePlan, key: str, document: Decoded | Document) -> tuple[str, ...]:
+    """The keys a stored or cached answer of ``plan`` may be under: its own, then its fallback's."""
+    return (key,) if plan.fallback is None else (key, plan.fallback.key(document))
+
+
 def _revalidated(stage: Stage, output: dict[str, Any]) -> BaseModel | None:
     """A stored or cached output as the stage's model today, or None if the model's own checks now
     refuse it (a tightened validator): then it is computed again, never a crash."""
@@ -374,3 +417,4 @@ class _Work:
     checks: list[tuple[int, str, str, str, str]] = dataclasses.field(default_factory=list)
     chunks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     spans: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    claimed: list[str] = dataclasses.field(default_factory=list)

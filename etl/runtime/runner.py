@@ -129,6 +129,8 @@ class Runner:
             return configured.get(tenant, default)
 
         budgets = TenantBudgets(pipeline.budgets, self._tokens_spent) if pipeline.budgets else None
+        #: Whether a tenant's budget names a fallback model (whose keys are claimed besides the plans').
+        self._fallbacks = any(budget.fallback is not None for budget in pipeline.budgets.values())
         calls = ModelCalls(peers, max_attempts=settings.llm_max_attempts, max_retry_s=settings.llm_max_retry_s,
                            repairs=settings.repairs, budgets=budgets)
         # the default stages' routers last: their checks' settings win; a tenant's own stage says
@@ -424,7 +426,8 @@ class Runner:
             return
         lookup = await self._store(
             functools.partial(self.store.lookup, outputs=self._with_outputs), self.pipeline.name,
-            [(d.tenant, d.key) for d, _, _, _ in decoded], [key for _, _, _, doc_keys in decoded for key in doc_keys],
+            [(d.tenant, d.key) for d, _, _, _ in decoded],
+            [key for d, _, _, doc_keys in decoded for key in (*doc_keys, *executor.alternates(d))],
             [(m.stream, m.partition, m.offset) for _, m, _ in bad],
         )
         for exc, message, epoch in bad:
@@ -440,13 +443,15 @@ class Runner:
         # (a redelivery needs none); a newer copy takes them from the cache.
         stored_keys = {key for key, _ in lookup.results.values()}
         reused = [key for doc, m, _, doc_keys in decoded if (v := lookup.versions.get((doc.tenant, doc.key)))
-                  and v < (m.stream, m.partition, m.offset) for key in doc_keys if key in stored_keys]
+                  and v < (m.stream, m.partition, m.offset) for key in (*doc_keys, *executor.alternates(doc))
+                  if key in stored_keys]
         if reused:
             lookup.cache.update((await self._store(self.store.lookup, self.pipeline.name, [], reused)).cache)
             # A student's answer is a stored result and no cache entry: the newer copy keeps it
             # from the stored row (the row is not rewritten: its cache key is the same).
             if missing := set(reused) - lookup.cache.keys():
-                refs = {(doc.tenant, doc.key) for doc, _, _, doc_keys in decoded if missing.intersection(doc_keys)}
+                refs = {(doc.tenant, doc.key) for doc, _, _, doc_keys in decoded
+                        if missing.intersection((*doc_keys, *executor.alternates(doc)))}
                 rows = (await self._store(functools.partial(self.store.lookup, outputs=True), self.pipeline.name,
                                           refs, [])).results
                 lookup.held = {key: CacheEntry(key, tenant, stage, "", output, "stored result", 0, 0, 0.0)
@@ -477,7 +482,8 @@ class Runner:
                 self._live[ref] = (live[0], self._start(
                     self._after(live[1], (decoder.document(doc, message), message.value, doc_keys,
                                           lookup.for_newer_version(ref, ()))),
-                    _Pending(message.position, epoch, ref, doc_keys, restated=frozenset(doc_keys))), at)
+                    _Pending(message.position, epoch, ref, doc_keys,
+                             restated=frozenset((*doc_keys, *executor.alternates(doc))))), at)
                 continue
             if way is Route.STORED and (hits := executor.try_stored(doc, lookup, doc_keys)) is not None:
                 settled += 1
@@ -544,7 +550,8 @@ class Runner:
             # from the store that this task cannot restate (their rows may be another version's by
             # the time this commits): taken again from the flight or the cache (they are valid
             # answers: no call); what failed at the older position fails here too, without a call.
-            restated = dataclasses.replace(older, cache={}, restated=frozenset(keys) | older.restated)
+            restated = dataclasses.replace(older, cache={}, restated=frozenset(
+                (*keys, *self.executor.alternates(document))) | older.restated)
             return await self.executor.run(document, payload, restated, keys)
         letter = outcome.dead_letter
         return dataclasses.replace(
@@ -586,9 +593,14 @@ class Runner:
                 del self._live[pending.ref]
             if pending.slot:
                 self._slots.release()
-            # a long document's chunks were claimed and flown under keys of their own
-            keys = [*pending.keys, *(row["cache_key"] for row in outcome.chunks), *(e.cache_key for e in outcome.cache)] \
-                if outcome.chunks or outcome.cache else pending.keys
+            # a long document's chunks, and a fallback model's answers, were claimed and flown
+            # under keys of their own
+            keys = pending.keys
+            if outcome.chunks or outcome.cache or outcome.dead_letter is not None or self._fallbacks:
+                keys = [*keys, *(row["cache_key"] for row in outcome.chunks), *(e.cache_key for e in outcome.cache),
+                        *(r.provenance.cache_key for r in outcome.results),
+                        *(() if outcome.dead_letter is None or outcome.dead_letter.cache_key is None
+                          else (outcome.dead_letter.cache_key,))]
             self.executor.flights.forget(keys)
             if self._peers is not None:
                 self._peers.release(keys)

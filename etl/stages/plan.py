@@ -39,6 +39,9 @@ class StagePlan:
     #: Tokens in a text: the model's own tokenizer where it has one (``LLM.token_counter``), else
     #: an estimate of 4 characters a token.
     count: Callable[[str], int] = estimate_tokens
+    #: The same stage with the cheaper model of the tenant's budget (``Budget.fallback``), which
+    #: answers over its soft limit; its own fingerprint keys its answers.
+    fallback: StagePlan | None = None
 
     @classmethod
     def of(cls, stage: Stage, llm: LLM, repairs: int = 1) -> StagePlan:

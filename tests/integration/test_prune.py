@@ -183,3 +183,20 @@ def test_a_retired_pipeline_whose_tenants_were_purged_does_not_block_prune(tmp_p
     assert invoke("tenant", "purge", "gone", "--yes", url=store_url).exit_code == 0  # type: ignore[attr-defined]
     left = invoke("prune", live, "--dry-run", url=store_url)  # only its positions are left
     assert left.exit_code == 0, left.output  # type: ignore[attr-defined]
+
+
+def test_a_budget_s_fallback_answers_are_live(tmp_path: Path, store_url: str) -> None:
+    """A tenant over its soft budget is answered by the fallback model, under its own fingerprint:
+    those answers are what its runs use, so prune neither refuses for them nor deletes them."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(f'{{"id": "{i}", "tenant": "acme", "text": "doc {i}"}}\n' for i in range(6)))
+    path = tmp_path / "budget.py"
+    path.write_text(PIPELINE.format(name="p", source=str(docs), stages=ROUTE.format(instructions="Pick one.")).replace(
+        "llm=FakeLLM())", "llm=FakeLLM(),\n    budgets={'acme': Budget(10**9, soft=0, fallback=FakeLLM(model_id='small'))})"
+    ).replace("from etl import", "from etl import Budget,"))
+    assert invoke("run", str(path), url=store_url).exit_code == 0  # type: ignore[attr-defined]
+    assert rows(store_url, "SELECT model, count(*) FROM llm_cache GROUP BY model") == [("small", 6)]
+    before = counts(store_url, TABLES[:4])
+    done = invoke("prune", str(path), "--yes", url=store_url)
+    assert done.exit_code == 0, done.output  # type: ignore[attr-defined]
+    assert counts(store_url, TABLES[:4]) == before

@@ -54,6 +54,7 @@ from connectors.sources.dead_letters import DeadLetterSource
 from connectors.store import make_engine
 from dedup import cache_key, content_hash, normalize_content
 from etl import (
+    Budget,
     Classify,
     Decoder,
     Extract,
@@ -95,6 +96,8 @@ STREAM = "log"
 TENANTS = ("t1", "t2")
 #: Few keys, so versions of one key are common; "1" collides with the integer id 1 if that decoded.
 KEYS = ("1", "2", "k")
+#: The suffix of a tenant's fallback model's name in ``PipelineMachine.fakes``.
+FALLBACK = "~fallback"
 LABELS = ("a", "b", "c")
 MAX_BYTES = 4096
 
@@ -418,6 +421,9 @@ class PipelineMachine(RuleBasedStateMachine):
         self.crash_pending = False
         #: Every message of the log was read by a completed run since the last append.
         self.settled = False
+        #: The tenants are over their soft budgets: fresh answers come from the fallback model.
+        self.over_soft = False
+        self.fallback_used = False
 
     def teardown(self) -> None:
         self.engine.dispose()
@@ -425,8 +431,8 @@ class PipelineMachine(RuleBasedStateMachine):
 
     # -- plumbing --------------------------------------------------------------------------------
 
-    def _fake(self, rng: random.Random) -> FakeLLM:
-        return FakeLLM(self.oracle.answer, fault=self.oracle.fault,
+    def _fake(self, rng: random.Random, model_id: str = "fake-llm") -> FakeLLM:
+        return FakeLLM(self.oracle.answer, fault=self.oracle.fault, model_id=model_id,
                        latency_s=lambda: rng.choice((0.0, 0.0, 0.0005, 0.002, 0.01)))
 
     def _pipeline(self, source: Source | None = None) -> tuple[Pipeline, FakeLLM]:
@@ -438,7 +444,11 @@ class PipelineMachine(RuleBasedStateMachine):
                 source = TwoPartitionLog([[e.value for e in p] for p in self.log], self.seed + self.runs)
         self.runs += 1
         pipeline = Pipeline(PIPELINE, source, stages(self.prompt), store=self.url, decoder=Decoder(max_bytes=MAX_BYTES),
-                            tenant_llms={t: self.fakes[t] for t in TENANTS})
+                            tenant_llms={t: self.fakes[t] for t in TENANTS},
+                            # the fallback model (the same answers, its own fingerprint) answers every
+                            # fresh call while over the soft limit, none while under it
+                            budgets={t: Budget(10**12, soft=0 if self.over_soft else 10**12 - 1,
+                                               fallback=self.fakes[f"{t}{FALLBACK}"]) for t in TENANTS})
         return pipeline, self.fakes["*"]
 
     @staticmethod
@@ -451,12 +461,13 @@ class PipelineMachine(RuleBasedStateMachine):
     def _account_calls(self) -> None:
         """Counts the calls made since the last step whose answer was valid (the mode is constant
         within a step)."""
-        for tenant, fake in self.fakes.items():
-            for request in fake.calls[self._seen_calls[tenant]:]:
+        for name, fake in self.fakes.items():
+            tenant = name.removesuffix(FALLBACK)  # either model's answer is the tenant's answer
+            for request in fake.calls[self._seen_calls[name]:]:
                 stage, content = stage_of(request), request.messages[1]["content"]
                 if self.oracle.fixed or Spec.of(content).fault(stage) == "ok":
                     self.valid_calls[(tenant, answered(stage, self.prompt), content)] += 1
-            self._seen_calls[tenant] = len(fake.calls)
+            self._seen_calls[name] = len(fake.calls)
 
     def _append(self, value: bytes, version: Version | None, partition: int) -> None:
         self.log[partition % self.partitions].append(Entry(value, version))
@@ -487,6 +498,7 @@ class PipelineMachine(RuleBasedStateMachine):
         self.partitions, self.seed = partitions, seed
         rng = random.Random(seed)
         self.fakes = {name: self._fake(rng) for name in (*TENANTS, "*")}
+        self.fakes.update({f"{t}{FALLBACK}": self._fake(rng, "fallback-llm") for t in TENANTS})
         self._seen_calls = dict.fromkeys(self.fakes, 0)
 
     texts = st.builds(doc_text, st.integers(0, 3), st.sampled_from(("a", "a", "b", "c")), mostly_ok(KIND_FAULTS),
@@ -535,6 +547,13 @@ class PipelineMachine(RuleBasedStateMachine):
         extraction failed keeps that letter open and gets the new classification."""
         self.prompt += 1
         self.settled = False
+
+    @rule()
+    def cross_the_soft_budget(self) -> None:
+        """The tenants cross their soft budget, or (a new day) come back under it. Not an append:
+        a settled log stays settled, so a re-run must still call nothing and write nothing."""
+        self.over_soft = not self.over_soft
+        self.fallback_used = True
 
     # -- runs ------------------------------------------------------------------------------------
 
@@ -662,7 +681,12 @@ class PipelineMachine(RuleBasedStateMachine):
         for tenant, key, stage, ck, fp, output in rows:
             fingerprints.setdefault(stage, set()).add(fp)
             found[(tenant, key, stage)] = (ck, fp, _json(output))
-        assert all(len(f) == 1 for f in fingerprints.values()), f"one stage, several fingerprints: {fingerprints}"
+        # today's instructions, answered by the main model or (over the soft budget) the fallback
+        most = 2 if self.fallback_used else 1
+        assert all(len(f) <= most for f in fingerprints.values()), f"one stage, several fingerprints: {fingerprints}"
+        models = dict(self._rows("SELECT DISTINCT fingerprint, model FROM llm_cache"))
+        assert len(models) == len(set(self._rows("SELECT DISTINCT fingerprint, model FROM llm_cache"))), (
+            f"one fingerprint's cache entries answered by two models: {models}")
         want = {(*ref, stage): out for ref, exp in expected.items() for stage, out in exp.results.items()}
         assert set(found) == set(want), (
             f"stage results {sorted(found)}, expected {sorted(want)} (extra: {sorted(set(found) - set(want))})")
