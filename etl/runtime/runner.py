@@ -129,8 +129,6 @@ class Runner:
             return configured.get(tenant, default)
 
         budgets = TenantBudgets(pipeline.budgets, self._tokens_spent) if pipeline.budgets else None
-        #: Whether a tenant's budget names a fallback model (whose keys are claimed besides the plans').
-        self._fallbacks = any(budget.fallback is not None for budget in pipeline.budgets.values())
         calls = ModelCalls(peers, max_attempts=settings.llm_max_attempts, max_retry_s=settings.llm_max_retry_s,
                            repairs=settings.repairs, budgets=budgets)
         # the default stages' routers last: their checks' settings win; a tenant's own stage says
@@ -593,14 +591,10 @@ class Runner:
                 del self._live[pending.ref]
             if pending.slot:
                 self._slots.release()
-            # a long document's chunks, and a fallback model's answers, were claimed and flown
-            # under keys of their own
-            keys = pending.keys
-            if outcome.chunks or outcome.cache or outcome.dead_letter is not None or self._fallbacks:
-                keys = [*keys, *(row["cache_key"] for row in outcome.chunks), *(e.cache_key for e in outcome.cache),
-                        *(r.provenance.cache_key for r in outcome.results),
-                        *(() if outcome.dead_letter is None or outcome.dead_letter.cache_key is None
-                          else (outcome.dead_letter.cache_key,))]
+            # a long document's chunks were claimed and flown under keys of their own (a fallback
+            # model's answer is claimed and flown under the plan's key: ModelCalls.claim_or_wait)
+            keys = [*pending.keys, *(row["cache_key"] for row in outcome.chunks), *(e.cache_key for e in outcome.cache)] \
+                if outcome.chunks or outcome.cache else pending.keys
             self.executor.flights.forget(keys)
             if self._peers is not None:
                 self._peers.release(keys)
