@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import random
 from collections.abc import Callable
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
@@ -47,18 +49,32 @@ def test_chunks_cover_the_text_and_each_fits_the_model_s_count(paragraphs: list[
     assert all(count(p.text) <= max_tokens for p in parts), [count(p.text) for p in parts]
 
 
-@given(paragraphs=st.lists(st.lists(words, min_size=3, max_size=30).map(" ".join), min_size=20, max_size=60),
-       counter=st.sampled_from(sorted(COUNTERS)), where=st.floats(0, 1), edit=words)
-@settings(max_examples=100, deadline=None)
-def test_an_edited_paragraph_re_keys_only_the_chunks_near_it(paragraphs: list[str], counter: str, where: float,
-                                                             edit: str) -> None:
-    count = COUNTERS[counter]
-    before = chunk("\n\n".join(paragraphs), 128, 0, count)
-    at = int(where * (len(paragraphs) - 1))
-    edited = [*paragraphs[:at], paragraphs[at] + " " + edit, *paragraphs[at + 1:]]
-    after = chunk("\n\n".join(edited), 128, 0, count)
-    new = [p for p in after if p.text not in {q.text for q in before}]
-    assert len(new) <= 3, (len(before), len(after), len(new))
+@pytest.mark.parametrize("counter", sorted(COUNTERS))
+def test_an_edited_paragraph_re_keys_only_the_chunks_near_it(counter: str) -> None:
+    # Locality is a property of the distribution, not of every text: a paragraph repeated many
+    # times gives no boundary a reason to stay put (Hypothesis found "0 0 0" x 40 re-keying every
+    # chunk after the edit, as it would in any content-defined chunking), and even random text
+    # lets an edit move a few size-forced boundaries now and then. So: 250 seeded random
+    # documents of 20-60 paragraphs per counter, one paragraph edited in each, and the figures
+    # measured on 2026-12-07 with a margin: at most 3 new chunks in >= 97% of edits (98.4-100%
+    # measured), 1.5 on average (1.06-1.29). Without content-defined ends (every cut forced by
+    # size) 4% of the estimate's edits re-key 5 to 7 chunks and fail this; the other counters'
+    # pieces are uneven enough at 128 tokens that forced cuts fall back into step by themselves.
+    count, rng = COUNTERS[counter], random.Random(f"chunking-{counter}")
+    alphabet = "abcdefghij0123456789"
+
+    def word() -> str:
+        return "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12)))
+
+    new = []
+    for _ in range(250):
+        paragraphs = [" ".join(word() for _ in range(rng.randint(3, 30))) for _ in range(rng.randint(20, 60))]
+        before = {p.text for p in chunk("\n\n".join(paragraphs), 128, 0, count)}
+        at = rng.randrange(len(paragraphs))
+        edited = [*paragraphs[:at], paragraphs[at] + " " + word(), *paragraphs[at + 1:]]
+        new.append(sum(p.text not in before for p in chunk("\n\n".join(edited), 128, 0, count)))
+    assert sum(n <= 3 for n in new) / len(new) >= 0.97, sorted(new)[-10:]
+    assert sum(new) / len(new) <= 1.5, sum(new) / len(new)
 
 
 class _Dense(LLM):
