@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence, Set
 from datetime import datetime, timedelta, timezone
 
-from sqlalchemy import ColumnElement, Connection, Engine, MetaData, Table, delete, func, inspect, select
+from sqlalchemy import ColumnElement, Connection, Engine, MetaData, Table, delete, func, inspect, select, tuple_
 
 from connectors.store.tables import cache_texts, llm_cache, llm_calls, metadata, stage_results, typed_table_names
 
@@ -81,7 +81,7 @@ def check(conn: Connection, live: Live, drop_stages: Set[str] = frozenset()) -> 
     # the newest call per fingerprint: a budget's fallback answers some days, and the main model's
     # fingerprint must be proven by the newest call that is not the fallback's
     newest = select(c.pipeline, c.tenant, c.stage, k.fingerprint, func.max(c.id).label("id")).join(
-        llm_cache, k.cache_key == c.cache_key).where(c.pipeline.in_(sorted(live))).group_by(
+        llm_cache, (k.tenant == c.tenant) & (k.cache_key == c.cache_key)).where(c.pipeline.in_(sorted(live))).group_by(
         c.pipeline, c.tenant, c.stage, k.fingerprint)
     called: dict[tuple[str, str, str], tuple[int, str]] = {}
     for pipeline, tenant, stage, fingerprint, id_ in conn.execute(newest):
@@ -146,7 +146,8 @@ def prune(engine: Engine, live: Live, retention_days: float, *, dry_run: bool, d
             counts[table.name] = counts.get(table.name, 0) + int(n)
 
         dead_entry = llm_cache.c.fingerprint.not_in(sorted(fingerprints))
-        take(cache_texts, cache_texts.c.cache_key.in_(select(llm_cache.c.cache_key).where(dead_entry)))
+        take(cache_texts, tuple_(cache_texts.c.tenant, cache_texts.c.cache_key).in_(
+            select(llm_cache.c.tenant, llm_cache.c.cache_key).where(dead_entry)))
         take(llm_cache, dead_entry)
         typed = [_reflect(conn, name) for name in typed_table_names(conn)]
         for pipeline, names in sorted(stages.items()):

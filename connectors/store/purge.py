@@ -38,4 +38,4 @@ def untenanted_letters(engine: Engine) -> int:
     """Dead letters whose tenant could not be read from the message (bad input): no tenant's purge
     reaches them."""
     with engine.connect() as conn:
-        return int(conn.execute(text(f"SELECT count(*) FROM {dead_letters.name} WHERE tenant IS NULL")).scalar_one())
+        return int(conn.execute(text(f"SELECT count(*) FROM {dead_letters.name} WHERE tenant = ''")).scalar_one())

@@ -352,7 +352,7 @@ class SqlStore(Store, Claims):
             if not found:
                 return 0
             publish([DeadLetter(position=Position(stream=r.stream, partition=r.partition, offset=r.message_offset),
-                                reason=r.reason, detail=r.detail, payload=bytes(r.payload), tenant=r.tenant,
+                                reason=r.reason, detail=r.detail, payload=bytes(r.payload), tenant=r.tenant or None,
                                 doc_key=r.doc_key, stage=r.stage, cache_key=r.cache_key, raw_output=r.raw_output)
                      for r in found])
             for (member,) in members(conn, [r.id for r in found], c.id):

@@ -2,6 +2,12 @@
 
 Typed extraction tables are not here: they are made from each ``Extract`` schema at run time by
 :func:`typed_table`, since their columns are the user's pydantic fields.
+
+Every primary and unique key of a table with a tenant column leads with the tenant (migration
+0017), so distributing the tables by tenant (Citus) needs no key change: docs/SCALING.md. These are
+the keys PostgreSQL holds. A SQLite store is one file, never distributed: there ``id`` alone stays
+the primary key (SQLite numbers only an ``INTEGER PRIMARY KEY``), and keys that did not hold the
+tenant gained a unique index that does, which is what the writes' conflict targets name.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ def _now() -> Column[Any]:
 documents = Table(
     "documents",
     metadata,
-    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("id", Id, autoincrement=True),
     Column("pipeline", String(200), nullable=False),
     Column("tenant", String(200), nullable=False),
     Column("doc_key", String(500), nullable=False),
@@ -62,14 +68,15 @@ documents = Table(
     Column("partition", Integer, nullable=False),
     Column("message_offset", BigInteger, nullable=False),
     Column("received_at", DateTime(timezone=True), nullable=False),
-    UniqueConstraint("pipeline", "tenant", "doc_key", name="uq_documents_doc"),
+    UniqueConstraint("tenant", "pipeline", "doc_key", name="uq_documents_doc"),
     Index("ix_documents_doc_key", "pipeline", "doc_key"),  # the look-up of stored versions
+    PrimaryKeyConstraint("tenant", "id", name="pk_documents"),
 )
 
 stage_results = Table(
     "stage_results",
     metadata,
-    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("id", Id, autoincrement=True),
     Column("pipeline", String(200), nullable=False),
     Column("tenant", String(200), nullable=False),
     Column("doc_key", String(500), nullable=False),
@@ -92,14 +99,15 @@ stage_results = Table(
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     #: NULL: the model's answer (or its cache's); "student:<id>": a router's student answered.
     Column("answered_by", String(64)),
-    UniqueConstraint("pipeline", "tenant", "doc_key", "stage", name="uq_stage_results_doc_stage"),
+    UniqueConstraint("tenant", "pipeline", "doc_key", "stage", name="uq_stage_results_doc_stage"),
     Index("ix_stage_results_doc_key", "pipeline", "doc_key"),  # the redelivery look-up
+    PrimaryKeyConstraint("tenant", "id", name="pk_stage_results"),
 )
 
 llm_cache = Table(
     "llm_cache",
     metadata,
-    Column("cache_key", String(64), primary_key=True),
+    Column("cache_key", String(64), nullable=False),
     Column("tenant", String(200), nullable=False),
     Column("stage", String(200), nullable=False),
     Column("fingerprint", String(64), nullable=False),
@@ -112,12 +120,14 @@ llm_cache = Table(
     Column("system_fingerprint", String(200)),
     Column("confidence", NullableJson),
     _now(),
+    PrimaryKeyConstraint("tenant", "cache_key", name="pk_llm_cache"),
+    Index("ix_llm_cache_key", "cache_key"),  # a claim's "cached meanwhile?" and the router come by key alone
 )
 
 llm_calls = Table(
     "llm_calls",
     metadata,
-    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("id", Id, autoincrement=True),
     Column("pipeline", String(200), nullable=False),
     Column("tenant", String(200), nullable=False),
     Column("stage", String(200), nullable=False),
@@ -134,7 +144,8 @@ llm_calls = Table(
     #: The attempt's own id: a commit retried after a lost acknowledgement adds no second row.
     Column("call_id", String(32)),
     Index("ix_llm_calls_tenant_stage", "tenant", "stage", "created_at"),
-    Index("uq_llm_calls_call_id", "call_id", unique=True),
+    Index("uq_llm_calls_call_id", "tenant", "call_id", unique=True),
+    PrimaryKeyConstraint("tenant", "id", name="pk_llm_calls"),
 )
 
 source_positions = Table(
@@ -151,12 +162,13 @@ source_positions = Table(
 dead_letters = Table(
     "dead_letters",
     metadata,
-    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("id", Id, autoincrement=True),
     Column("pipeline", String(200), nullable=False),
     Column("stream", String(500), nullable=False),
     Column("partition", Integer, nullable=False),
     Column("message_offset", BigInteger, nullable=False),
-    Column("tenant", String(200)),
+    #: "" for a message whose tenant could not be read (bad input): a key column is never NULL.
+    Column("tenant", String(200), nullable=False),
     Column("doc_key", String(500)),
     Column("stage", String(200)),
     Column("cache_key", String(64)),
@@ -170,10 +182,13 @@ dead_letters = Table(
     _now(),
     #: Whether the letter reached the source's dead-letter channel (see ``SqlStore.publish_pending``).
     Column("published", Boolean, nullable=False, server_default=true()),
-    UniqueConstraint("pipeline", "stream", "partition", "message_offset", name="uq_dead_letters_position"),
+    UniqueConstraint("tenant", "pipeline", "stream", "partition", "message_offset", name="uq_dead_letters_position"),
+    Index("ix_dead_letters_position", "pipeline", "stream", "partition", "message_offset"),
+    Index("ix_dead_letters_id", "id"),
     Index("ix_dead_letters_doc", "pipeline", "doc_key"),
     Index("ix_dead_letters_unpublished", "pipeline", postgresql_where=text("NOT published"),
           sqlite_where=text("NOT published")),
+    PrimaryKeyConstraint("tenant", "id", name="pk_dead_letters"),
 )
 
 llm_claims = Table(
@@ -192,7 +207,7 @@ llm_claims = Table(
 golden_examples = Table(
     "golden_examples",
     metadata,
-    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("id", Id, autoincrement=True),
     Column("pipeline", String(200), nullable=False),
     Column("tenant", String(200), nullable=False),
     Column("stage", String(200), nullable=False),
@@ -203,13 +218,14 @@ golden_examples = Table(
     Column("reviewer", String(200)),  # who confirmed or corrected it (review), null when imported
     Column("reviewed_at", DateTime(timezone=True)),
     _now(),
-    UniqueConstraint("pipeline", "tenant", "stage", "doc_key", name="uq_golden_examples"),
+    UniqueConstraint("tenant", "pipeline", "stage", "doc_key", name="uq_golden_examples"),
+    PrimaryKeyConstraint("tenant", "id", name="pk_golden_examples"),
 )
 
 eval_runs = Table(
     "eval_runs",
     metadata,
-    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("id", Id, autoincrement=True),
     Column("pipeline", String(200), nullable=False),
     Column("tenant", String(200), nullable=False),
     Column("stage", String(200), nullable=False),
@@ -221,12 +237,13 @@ eval_runs = Table(
     Column("macro_f1", Float),
     Column("details", Json, nullable=False),  # confusion pairs, or per-field match rates
     _now(),
+    PrimaryKeyConstraint("tenant", "id", name="pk_eval_runs"),
 )
 
 eval_results = Table(
     "eval_results",
     metadata,
-    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("id", Id, autoincrement=True),
     Column("run_id", BigInteger, nullable=False, index=True),
     Column("tenant", String(200), nullable=False),
     Column("doc_key", String(500), nullable=False),
@@ -234,13 +251,14 @@ eval_results = Table(
     Column("predicted", Json),
     Column("correct", Boolean, nullable=False),
     Column("error", Text),
+    PrimaryKeyConstraint("tenant", "id", name="pk_eval_results"),
 )
 
 #: ``etl stability``: one measurement of a stage's model asked K times about the same documents.
 stability_runs = Table(
     "stability_runs",
     metadata,
-    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("id", Id, autoincrement=True),
     Column("pipeline", String(200), nullable=False),
     Column("tenant", String(200), nullable=False),
     Column("stage", String(200), nullable=False),
@@ -257,12 +275,13 @@ stability_runs = Table(
     Column("details", Json, nullable=False),  # per-field agreement, confidence intervals, failures
     _now(),
     Index("ix_stability_runs_stage", "pipeline", "tenant", "stage", "model", "created_at"),
+    PrimaryKeyConstraint("tenant", "id", name="pk_stability_runs"),
 )
 
 drift_alerts = Table(
     "drift_alerts",
     metadata,
-    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("id", Id, autoincrement=True),
     Column("pipeline", String(200), nullable=False),
     Column("tenant", String(200), nullable=False),
     Column("stage", String(200), nullable=False),
@@ -273,12 +292,13 @@ drift_alerts = Table(
     Column("threshold", Float, nullable=False),
     Column("window", Integer, nullable=False),
     _now(),
+    PrimaryKeyConstraint("tenant", "id", name="pk_drift_alerts"),
 )
 
 review_queue = Table(
     "review_queue",
     metadata,
-    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("id", Id, autoincrement=True),
     Column("pipeline", String(200), nullable=False),
     Column("tenant", String(200), nullable=False),
     Column("stage", String(200), nullable=False),
@@ -292,7 +312,9 @@ review_queue = Table(
     Column("reviewer", String(200)),
     _now(),
     Column("reviewed_at", DateTime(timezone=True)),
-    UniqueConstraint("pipeline", "tenant", "doc_key", "stage", name="uq_review_queue"),
+    UniqueConstraint("tenant", "pipeline", "doc_key", "stage", name="uq_review_queue"),
+    Index("ix_review_queue_id", "id"),
+    PrimaryKeyConstraint("tenant", "id", name="pk_review_queue"),
 )
 
 # -- provider batches --------------------------------------------------------------------------
@@ -333,17 +355,18 @@ llm_batch_items = Table(
 cache_texts = Table(
     "cache_texts",
     metadata,
-    Column("cache_key", String(64), primary_key=True),
+    Column("cache_key", String(64), nullable=False),
     Column("tenant", String(200), nullable=False),
     Column("content", Text, nullable=False),
     _now(),
+    PrimaryKeyConstraint("tenant", "cache_key", name="pk_cache_texts"),
 )
 
 #: Students distilled from a stage's answers: one tenant's, one fingerprint's, as plain data.
 students = Table(
     "students",
     metadata,
-    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("id", Id, autoincrement=True),
     Column("pipeline", String(200), nullable=False),
     Column("stage", String(200), nullable=False),
     Column("tenant", String(200), nullable=False),
@@ -372,7 +395,8 @@ students = Table(
     Column("closed_at", DateTime(timezone=True)),
     Index("ix_students_live", "pipeline", "status"),
     #: Two distills at once: the second commit fails rather than making two active students.
-    Index("uq_students_version", "pipeline", "stage", "tenant", "version", unique=True),
+    Index("uq_students_version", "tenant", "pipeline", "stage", "version", unique=True),
+    PrimaryKeyConstraint("tenant", "id", name="pk_students"),
 )
 
 #: The chunks a long document's stage was answered in (its merged answer is the stage result):
@@ -391,7 +415,7 @@ stage_chunks = Table(
     Column("page_start", Integer, nullable=False),
     Column("page_end", Integer, nullable=False),
     Column("cache_hit", Boolean, nullable=False),
-    PrimaryKeyConstraint("pipeline", "tenant", "doc_key", "stage", "ordinal", name="pk_stage_chunks"),
+    PrimaryKeyConstraint("tenant", "pipeline", "doc_key", "stage", "ordinal", name="pk_stage_chunks"),
 )
 
 #: Where each extracted value sits in its document (``etl.grounding``): one row per value of an
@@ -412,14 +436,14 @@ field_spans = Table(
     Column("score", Float, nullable=False),
     Column("confidence", Float),  # etl.confidence: the model's probability of this value, where known
     Column("confidence_from", String(20)),  # logprob | agreement
-    PrimaryKeyConstraint("pipeline", "tenant", "doc_key", "stage", "path", name="pk_field_spans"),
+    PrimaryKeyConstraint("tenant", "pipeline", "doc_key", "stage", "path", name="pk_field_spans"),
 )
 
 #: Shadow checks: a student-answered document also asked of the LLM, and whether they agreed.
 router_checks = Table(
     "router_checks",
     metadata,
-    Column("id", Id, primary_key=True, autoincrement=True),
+    Column("id", Id, autoincrement=True),
     Column("student_id", BigInteger, nullable=False),
     Column("pipeline", String(200), nullable=False),
     Column("tenant", String(200), nullable=False),
@@ -430,7 +454,8 @@ router_checks = Table(
     Column("llm_label", Text, nullable=False),
     Column("agree", Boolean, nullable=False),
     _now(),
-    UniqueConstraint("student_id", "cache_key", name="uq_router_checks"),
+    UniqueConstraint("tenant", "student_id", "cache_key", name="uq_router_checks"),
+    PrimaryKeyConstraint("tenant", "id", name="pk_router_checks"),
 )
 
 # -- access ----------------------------------------------------------------------------------
@@ -460,7 +485,7 @@ _SCALARS: dict[Any, Any] = {
     decimal.Decimal: Numeric,
 }
 #: Columns every typed table has before the schema's own fields.
-TYPED_KEY_COLUMNS = ("pipeline", "tenant", "doc_key")
+TYPED_KEY_COLUMNS = ("tenant", "pipeline", "doc_key")
 
 
 def _column_type(annotation: Any) -> tuple[Any, bool]:

@@ -47,13 +47,13 @@ from connectors.store.tables import (
     dead_letters,
     documents,
     field_spans,
-    stage_chunks,
     llm_cache,
     llm_calls,
     llm_claims,
     review_queue,
     router_checks,
     source_positions,
+    stage_chunks,
     stage_results,
 )
 from schemas import DeadLetter
@@ -192,7 +192,8 @@ def version(outcome: DocumentOutcome) -> Version:
 def _letter_row(pipeline: str, letter: DeadLetter, status: str, published: bool) -> dict[str, Any]:
     p = letter.position
     return {"pipeline": pipeline, "stream": p.stream, "partition": p.partition, "message_offset": p.offset,
-            **letter.model_dump(exclude={"position"}), "status": status, "published": published}
+            **letter.model_dump(exclude={"position"}), "tenant": letter.tenant or "", "status": status,
+            "published": published}
 
 
 class BatchWriter:
@@ -213,26 +214,26 @@ class BatchWriter:
         winners = [latest[ref] for ref in won]
         self._replace_results(conn, pipeline, winners, inserted)
         cache = {entry.cache_key: vars(entry) for o in batch.outcomes for entry in o.cache}
-        upsert(conn, llm_cache, list(cache.values()), ("cache_key",), None)
+        upsert(conn, llm_cache, list(cache.values()), ("tenant", "cache_key"), None)
         texts = {key: {"cache_key": key, "tenant": o.document.tenant, "content": content}
                  for o in batch.outcomes if o.document is not None for key, content in o.texts}
-        upsert(conn, cache_texts, list(texts.values()), ("cache_key",), None)
+        upsert(conn, cache_texts, list(texts.values()), ("tenant", "cache_key"), None)
         checks = {(sid, key): {"student_id": sid, "pipeline": pipeline, "tenant": o.document.tenant, "stage": stage,
                                "doc_key": o.document.key, "cache_key": key, "student_label": mine,
                                "llm_label": theirs, "agree": mine == theirs}
                   for o in batch.outcomes if o.document is not None for sid, stage, key, mine, theirs in o.checks}
-        upsert(conn, router_checks, list(checks.values()), ("student_id", "cache_key"), None)
+        upsert(conn, router_checks, list(checks.values()), ("tenant", "student_id", "cache_key"), None)
         # Waiters on one failed call share its attempts: each attempt is written once, by its id.
         calls = {c.call_id: {"pipeline": pipeline, **c.model_dump()} for o in batch.outcomes for c in o.calls}
         # Attempts keep their order (ids follow time); their ids are their own, never contended.
-        upsert(conn, llm_calls, list(calls.values()), ("call_id",), None, in_key_order=False)
+        upsert(conn, llm_calls, list(calls.values()), ("tenant", "call_id"), None, in_key_order=False)
         letters = self._dead_letters(conn, pipeline, batch, latest, won)
         reviews = [
             {"pipeline": pipeline, "tenant": o.document.tenant, "stage": stage, "doc_key": o.document.key,
              "content": content, "output": output, "sampled_because": why}
             for o in winners if o.document is not None for stage, output, why, content in o.reviews
         ]
-        upsert(conn, review_queue, reviews, ("pipeline", "tenant", "doc_key", "stage"), None)
+        upsert(conn, review_queue, reviews, ("tenant", "pipeline", "doc_key", "stage"), None)
         # Results are durable now: nobody needs to wait on these keys any more. A failure is not
         # cached (a later run may retry it), but workers waiting on its key take it until the
         # holder's lease ends rather than pay for it again.
@@ -267,7 +268,7 @@ class BatchWriter:
         stmt = insert(conn, documents)
         d = documents.c
         stmt = stmt.on_conflict_do_update(
-            index_elements=["pipeline", "tenant", "doc_key"],
+            index_elements=["tenant", "pipeline", "doc_key"],
             set_={c: stmt.excluded[c] for c in ("content_hash", "stream", "partition", "message_offset",
                                                   "received_at")},
             where=tuple_(d.stream, d.partition, d.message_offset)
@@ -311,7 +312,7 @@ class BatchWriter:
              "output": result.output, **result.provenance.model_dump()}
             for o in winners if o.document is not None for result in o.results
         ]
-        upsert(conn, stage_results, results, ("pipeline", "tenant", "doc_key", "stage"), "cache_key")
+        upsert(conn, stage_results, results, ("tenant", "pipeline", "doc_key", "stage"), "cache_key")
         typed: dict[str, list[dict[str, Any]]] = {}
         for o in winners:
             assert o.document is not None  # noqa: S101
@@ -339,8 +340,10 @@ class BatchWriter:
         for table in rows:
             c = table.c
             for (member,) in members(conn, sorted({key for _, key in keep}), c.doc_key):
+                # The tenants too: the key leads with them (a probe of the index, not a scan).
                 for tenant, key, stage in conn.execute(select(c.tenant, c.doc_key, c.stage).distinct().where(
-                        c.pipeline == pipeline, member)).all():
+                        c.tenant.in_(sorted({tenant for tenant, _ in keep})), c.pipeline == pipeline,
+                        member)).all():
                     if (tenant, key) in keep and ((tenant, key, stage) in redone or (tenant, key, stage) not in kept):
                         conn.execute(delete(table).where(c.pipeline == pipeline, c.tenant == tenant, c.doc_key == key,
                                                          c.stage == stage))
@@ -405,12 +408,13 @@ class BatchWriter:
             rows[(p.stream, p.partition, p.offset)] = _letter_row(
                 pipeline, letter, "open" if current else "superseded", published=not batch.outbox)
         if rows:
+            _move_letters(conn, pipeline, rows)
             # A message that fails again (a replay) keeps one dead letter, with the latest reason; a
             # letter already published is not published again.
             stmt = insert(conn, dead_letters)
             stmt = stmt.on_conflict_do_update(
-                index_elements=["pipeline", "stream", "partition", "message_offset"],
-                set_={c: stmt.excluded[c] for c in ("tenant", "doc_key", "stage", "cache_key", "reason", "detail",
+                index_elements=["tenant", "pipeline", "stream", "partition", "message_offset"],
+                set_={c: stmt.excluded[c] for c in ("doc_key", "stage", "cache_key", "reason", "detail",
                                                     "raw_output", "status")},
             )
             conn.execute(stmt, [rows[p] for p in sorted(rows)])
@@ -430,6 +434,26 @@ class BatchWriter:
             where=source_positions.c.next_offset < stmt.excluded.next_offset,
         )
         conn.execute(stmt, rows)
+
+
+def _move_letters(conn: Connection, pipeline: str, rows: Mapping[tuple[str, int, int], dict[str, Any]]) -> None:
+    """One letter per position, whatever tenant the message reads as now: a letter stored under
+    another tenant (bad input that decodes since, a changed default tenant) is deleted, its
+    published mark carried to the new row. The tenant leads the letter's key, and a key
+    column is not updated in place (a distributed table cannot move a row between shards)."""
+    c = dead_letters.c
+    moved: list[int] = []
+    for (member,) in members(conn, sorted({offset for _, _, offset in rows}), c.message_offset):
+        for letter_id, tenant, stream, partition, offset, published in conn.execute(
+                select(c.id, c.tenant, c.stream, c.partition, c.message_offset, c.published).where(
+                    c.pipeline == pipeline, c.stream.in_(sorted({s for s, _, _ in rows})),
+                    c.partition.in_(sorted({p for _, p, _ in rows})), member)).all():
+            row = rows.get((stream, partition, offset))
+            if row is not None and row["tenant"] != tenant:
+                moved.append(letter_id)
+                row["published"] = row["published"] or published
+    for (member,) in members(conn, moved, c.id):
+        conn.execute(delete(dead_letters).where(member))
 
 
 def rejected(outcome: DocumentOutcome, error: BaseException, *, keep_paid_work: bool) -> DocumentOutcome:

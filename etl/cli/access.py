@@ -58,6 +58,8 @@ def analyst_grant(role: RoleArg, tenant: TenantArg, db: DbOption = None) -> None
     from etl.storable import text_problem  # noqa: PLC0415
 
     problem = text_problem(tenant) or (f"is longer than {MAX_TENANT} characters" if len(tenant) > MAX_TENANT else None)
+    if not tenant.strip():  # '' is the tenant of dead letters whose message named none: no one's to read
+        problem = "is blank; give a tenant's name"
     if problem:
         fail(f"the tenant {problem}")
     engine, _ = postgres_engine(db)
@@ -115,6 +117,8 @@ def tenant_purge(tenant: TenantArg,
     from connectors.store.purge import purge_tenant, untenanted_letters  # noqa: PLC0415
     from etl.runtime.wiring import database_url  # noqa: PLC0415
 
+    if not tenant.strip():  # '' holds the dead letters whose message named no tenant: no tenant's rows
+        fail("the tenant is blank; give a tenant's name")
     url = db or database_url(None, Settings())
     engine = existing_engine(url, "purge")  # not migrated: counting and deleting change no schema
     try:

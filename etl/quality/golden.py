@@ -115,7 +115,7 @@ def store_golden(conn: Connection, pipeline: str, stage: str, examples: Iterable
                  origin: str = "import") -> int:
     """:func:`import_golden` inside the caller's transaction."""
     rows = [{"pipeline": pipeline, "stage": stage, "origin": origin, **e} for e in examples]
-    upsert(conn, golden_examples, rows, ("pipeline", "tenant", "stage", "doc_key"), "expected")
+    upsert(conn, golden_examples, rows, ("tenant", "pipeline", "stage", "doc_key"), "expected")
     return len(rows)
 
 
@@ -249,7 +249,7 @@ def _record(engine: Engine, pipeline: str, tenant: str, stage: Any, plan: StageP
            "fingerprint": plan.fingerprint, "examples": len(items), "failed": sum(a[2] is not None for a in answers),
            "accuracy": scores["accuracy"], "macro_f1": scores.get("macro_f1"), "details": details}
     with engine.begin() as conn:
-        run_id = conn.execute(insert(eval_runs).values(**run)).inserted_primary_key[0]
+        run_id = conn.execute(insert(eval_runs).values(**run).returning(eval_runs.c.id)).scalar_one()
         conn.execute(insert(eval_results), [
             {"run_id": run_id, "tenant": tenant, "doc_key": e["doc_key"], "expected": e["expected"],
              "predicted": a[0], "correct": ok, "error": a[2]}
@@ -259,7 +259,7 @@ def _record(engine: Engine, pipeline: str, tenant: str, stage: Any, plan: StageP
             conn.execute(insert(llm_calls), calls)
         if cache:
             fresh = {a[4].cache_key: vars(a[4]) for a in answers if a[4] is not None and a[1]}
-            upsert(conn, llm_cache, list(fresh.values()), ("cache_key",), None)
+            upsert(conn, llm_cache, list(fresh.values()), ("tenant", "cache_key"), None)
     # not stored, what a comparison of models reads back (etl.quality.compare): what answering the set
     # costs with this model — each answer's own cost (a cached one's as it was paid, a long
     # document's with its chunks), and a failed one's attempts

@@ -33,6 +33,7 @@ from pydantic import BaseModel
 from sqlalchemy import Engine, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
+from connectors.store.sql import cache_entries
 from connectors.store.tables import cache_texts, drift_alerts, eval_runs, golden_examples, llm_cache, router_checks, \
     students
 from dedup import cache_key, content_hash
@@ -81,7 +82,8 @@ def distill(engine: Engine, pipeline: Any, llm: Any, stage_name: str, tenant: st
         raise ConfigError(f"--target {target}: give a share between 0 and 1")
     with engine.connect() as conn:
         tenants = [tenant] if tenant else sorted(conn.execute(
-            select(llm_cache.c.tenant).join(cache_texts, cache_texts.c.cache_key == llm_cache.c.cache_key)
+            select(llm_cache.c.tenant).join(cache_texts, (cache_texts.c.tenant == llm_cache.c.tenant)
+                                          & (cache_texts.c.cache_key == llm_cache.c.cache_key))
             .where(llm_cache.c.stage == stage_name).distinct()).scalars())
     made = []
     for name in tenants:
@@ -96,7 +98,7 @@ def _distill_one(engine: Engine, pipeline: str, stage: Any, fingerprint: str, te
     from etl.quality.student import Student, certify, lower_bound  # noqa: PLC0415
     c, t, g = llm_cache.c, cache_texts.c, golden_examples.c
     with engine.connect() as conn:
-        answers = conn.execute(select(t.content, c.output, c.cost).join(cache_texts, t.cache_key == c.cache_key)
+        answers = conn.execute(select(t.content, c.output, c.cost).join(cache_texts, (t.tenant == c.tenant) & (t.cache_key == c.cache_key))
                                .where(c.tenant == tenant, c.fingerprint == fingerprint)
                                .order_by(c.cache_key)).all()
         golden = conn.execute(select(g.content, g.expected).where(
@@ -186,11 +188,7 @@ def _llm_accuracy(engine: Engine, pipeline: str, stage: str, tenant: str, finger
     documents where enough are stored, else the latest ``etl eval`` of the fingerprint."""
     keys = {cache_key(tenant, fingerprint, content_hash(content)): label for content, label in golden}
     with engine.connect() as conn:
-        found = {}
-        chunk = list(keys)
-        for i in range(0, len(chunk), 500):
-            found.update(conn.execute(select(llm_cache.c.cache_key, llm_cache.c.output)
-                                      .where(llm_cache.c.cache_key.in_(chunk[i:i + 500]))).all())
+        found = {key: entry.output for key, entry in cache_entries(conn, list(keys)).items()}
         if len(found) >= min_golden:
             return sum(out.get("label") == keys[key] for key, out in found.items()) / len(found), ""
         latest = conn.execute(select(eval_runs.c.accuracy).where(
@@ -238,7 +236,7 @@ def _store_student(engine: Engine, pipeline: str, made: Distilled, spec: dict[st
                "lower_bound": cert.lower_bound if cert else 0.0, "agreement": agree / agree_n if agree_n else 0.0,
                "agreement_lb": lower_bound(agree, agree_n, made.row.get("level", 0.95)), "agreement_n": agree_n,
                "mean_cost": made.row.get("mean_cost", 0.0), "spec": spec, "weights": blob}
-        made.student_id = conn.execute(insert(students).values(**row)).inserted_primary_key[0]
+        made.student_id = conn.execute(insert(students).values(**row).returning(students.c.id)).scalar_one()
     made.row.update({k: v for k, v in row.items() if k not in ("spec", "weights")})
     log.info("distilled", pipeline=pipeline, tenant=made.tenant, stage=made.stage, status=made.status,
              version=made.version, reason=made.reason)

@@ -266,7 +266,7 @@ def _record(engine: Engine, run: dict[str, Any], paid: list[Any]) -> dict[str, A
             c.fingerprint == run["fingerprint"], c.samples == run["samples"])
             .order_by(c.created_at.desc(), c.id.desc()).limit(50))
             if _details(r.details).get("source", "") == run["details"]["source"]), None)
-        run_id = conn.execute(insert(stability_runs).values(**run)).inserted_primary_key[0]
+        run_id = conn.execute(insert(stability_runs).values(**run).returning(stability_runs.c.id)).scalar_one()
         if paid:
             conn.execute(insert(llm_calls), [{"pipeline": f"{run['pipeline']}#stability", **p.model_dump()} for p in paid])
         if previous is not None:
