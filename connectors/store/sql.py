@@ -130,8 +130,16 @@ def cache_entries(conn: Connection, keys: Sequence[str]) -> dict[str, CacheEntry
 _MIGRATION_LOCK = 0x1DE3E7
 
 
-def migrate(conn: Connection) -> None:
-    """Migrates to head inside the caller's transaction (serialised across workers on PostgreSQL)."""
+#: Revisions a worker does not apply to an existing store on its own: they rebuild keys under
+#: locks, and workers of an earlier version cannot write after them (their conflict targets are
+#: gone). ``etl db upgrade``, with the workers stopped, applies them.
+EXPLICIT_REVISIONS = {"0017": "0017 rebuilds every tenant table's keys to lead with the tenant"}
+
+
+def migrate(conn: Connection, *, explicit: bool = True) -> None:
+    """Migrates to head inside the caller's transaction (serialised across workers on PostgreSQL).
+    Not ``explicit`` (a worker starting): a pending revision of :data:`EXPLICIT_REVISIONS` on a
+    store that has tables is refused (ValueError) rather than applied."""
     from alembic import command  # noqa: PLC0415 - alembic is only needed when migrating
     from alembic.config import Config  # noqa: PLC0415
 
@@ -145,6 +153,12 @@ def migrate(conn: Connection) -> None:
     if current is not None and current not in {revision.revision for revision in script.walk_revisions()}:
         raise ValueError(f"the store's tables are at revision {current}, newer than this etl's "
                          f"{script.get_current_head()}: upgrade etl (pip install -U idem-etl) to use them")
+    if not explicit and current is not None:
+        pending = {r.revision for r in script.iterate_revisions("head", current)}
+        if held := sorted(pending & set(EXPLICIT_REVISIONS)):
+            raise ValueError(f"the store's tables are at revision {current} and revision "
+                             f"{EXPLICIT_REVISIONS[held[0]]} (under table locks; workers of earlier versions "
+                             f"cannot write after it): stop the workers, then run `etl db upgrade --db URL`")
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
     config.attributes["connection"] = conn
@@ -246,7 +260,7 @@ class SqlStore(Store, Claims):
     def _migrate(self, conn: Connection, typed_tables: Sequence[TypedTable], *, types: bool) -> list[Change]:
         """Migrations, typed tables created, their changes made (type changes only if ``types``);
         returns the changes made."""
-        migrate(conn)
+        migrate(conn, explicit=types)
         if conn.dialect.name == "postgresql":
             # An ALTER waits for readers of the table (an analyst's long query) and every writer
             # queues behind it: give up after a while instead (retried: lock_not_available waits).

@@ -291,18 +291,19 @@ class BatchWriter:
         keep = {(o.document.tenant, o.document.key): set(o.stages) for o in winners
                 if o.document is not None and (o.document.tenant, o.document.key) not in inserted}
         r = stage_results.c
-        stale_ids: list[int] = []
+        stale_ids: list[tuple[str, int]] = []
         stale_typed: dict[str, list[dict[str, Any]]] = {}
         for (member,) in members(conn, sorted({key for _, key in keep}), r.doc_key):
             for row_id, tenant, key, stage in conn.execute(
                     select(r.id, r.tenant, r.doc_key, r.stage).where(r.pipeline == pipeline, member)):
                 kept = keep.get((tenant, key))
                 if kept is not None and stage not in kept:
-                    stale_ids.append(row_id)
+                    stale_ids.append((tenant, row_id))
                     for table in self.stage_tables.get(stage, ()):  # a tenant's rows are in one of them
                         stale_typed.setdefault(table, []).append({"p": pipeline, "t": tenant, "k": key})
-        for (member,) in members(conn, stale_ids, r.id):
-            conn.execute(delete(stage_results).where(member))
+        if stale_ids:  # by the key, (tenant, id): no index holds id alone
+            conn.execute(delete(stage_results).where(r.tenant == bindparam("t"), r.id == bindparam("i")),
+                         [{"t": tenant, "i": row_id} for tenant, row_id in sorted(stale_ids)])
         for name, refs in stale_typed.items():
             table = self.typed[name]
             conn.execute(delete(table).where(table.c.pipeline == bindparam("p"), table.c.tenant == bindparam("t"),
@@ -417,7 +418,12 @@ class BatchWriter:
                 set_={c: stmt.excluded[c] for c in ("doc_key", "stage", "cache_key", "reason", "detail",
                                                     "raw_output", "status")},
             )
-            conn.execute(stmt, [rows[p] for p in sorted(rows)])
+            # Moved letters keep their id (a replay reading letters by id must not meet one again):
+            # a statement of their own, since the others' ids are the database's to give.
+            for kept_id in (False, True):
+                group = [rows[p] for p in sorted(rows) if ("id" in rows[p]) is kept_id]
+                if group:
+                    conn.execute(stmt, group)
         return {row["cache_key"]: row["reason"][:40] for row in rows.values() if row["cache_key"]}
 
     @staticmethod
@@ -438,20 +444,25 @@ class BatchWriter:
 
 def _move_letters(conn: Connection, pipeline: str, rows: Mapping[tuple[str, int, int], dict[str, Any]]) -> None:
     """One letter per position, whatever tenant the message reads as now: a letter stored under
-    another tenant (bad input that decodes since, a changed default tenant) is deleted, its
-    published mark carried to the new row. The tenant leads the letter's key, and a key
-    column is not updated in place (a distributed table cannot move a row between shards)."""
+    another tenant (bad input that decodes since, a changed default tenant) is deleted and its row
+    written under the new tenant with the old one's id, time and published mark. The tenant leads
+    the letter's key, and a key column is not updated in place (a distributed table cannot move a
+    row between shards). On PostgreSQL the pipeline's letter writes take turns (a transaction lock)
+    so two workers reading one message as two tenants cannot both miss the other's letter: the
+    key no longer makes a second letter at a position conflict."""
     c = dead_letters.c
+    if conn.dialect.name == "postgresql":
+        conn.execute(select(func.pg_advisory_xact_lock(func.hashtextextended(f"dead_letters:{pipeline}", 0))))
     moved: list[int] = []
     for (member,) in members(conn, sorted({offset for _, _, offset in rows}), c.message_offset):
-        for letter_id, tenant, stream, partition, offset, published in conn.execute(
-                select(c.id, c.tenant, c.stream, c.partition, c.message_offset, c.published).where(
+        for letter_id, tenant, stream, partition, offset, created_at, published in conn.execute(
+                select(c.id, c.tenant, c.stream, c.partition, c.message_offset, c.created_at, c.published).where(
                     c.pipeline == pipeline, c.stream.in_(sorted({s for s, _, _ in rows})),
-                    c.partition.in_(sorted({p for _, p, _ in rows})), member)).all():
+                    c.partition.in_(sorted({p for _, p, _ in rows})), member).with_for_update()).all():
             row = rows.get((stream, partition, offset))
             if row is not None and row["tenant"] != tenant:
                 moved.append(letter_id)
-                row["published"] = row["published"] or published
+                row.update(id=letter_id, created_at=created_at, published=published)
     for (member,) in members(conn, moved, c.id):
         conn.execute(delete(dead_letters).where(member))
 

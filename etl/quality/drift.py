@@ -197,7 +197,7 @@ def detect(engine: Engine, pipeline: str, window: int = 200, thresholds: Thresho
                 continue
             since = conn.execute(select(func.min(r.created_at)).where(*where)).scalar_one()
             last_ids = select(r.id).where(*where).order_by(*newest).limit(window).scalar_subquery()
-            last = [_output(o) for (o,) in conn.execute(select(r.output).where(r.id.in_(last_ids)))]
+            last = [_output(o) for (o,) in conn.execute(select(r.output).where(r.tenant == tenant, r.id.in_(last_ids)))]
             first = [_output(o) for (o,) in conn.execute(select(r.output).where(*where, r.id.not_in(last_ids)).order_by(
                 r.id).limit(min(max(window, baseline), total - window)))]
             b, m = _window_metrics(first), _window_metrics(last)

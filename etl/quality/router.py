@@ -361,7 +361,8 @@ class Students:
                         log.warning("student_unreadable", student=sid, error=f"{type(exc).__name__}: {exc}")
                         continue
                     router = self.routers[stage]
-                    recent = conn.execute(select(router_checks.c.agree).where(router_checks.c.student_id == sid)
+                    recent = conn.execute(select(router_checks.c.agree).where(router_checks.c.tenant == tenant,
+                                                                      router_checks.c.student_id == sid)
                                           .order_by(router_checks.c.id.desc()).limit(router.window)).scalars()
                     live = Live(sid, tenant, stage, fingerprint, threshold, agreement_lb, mean_cost, model, router,
                                 collections.deque(reversed(list(recent)), maxlen=router.window))

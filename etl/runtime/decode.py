@@ -7,7 +7,7 @@ import json
 from datetime import datetime, timezone
 from typing import Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from connectors.sources import Message
 from dedup import normalize_content, parsed_content_hash, sha256_hex
@@ -74,6 +74,14 @@ class Decoder(BaseModel):
     max_file_bytes: int = Field(default=50_000_000, gt=0)
     max_pages: int = Field(default=5000, gt=0)
     key_type: Literal["str", "int"] = "str"
+
+    @field_validator("default_tenant")
+    @classmethod
+    def _a_name(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():  # '' is the store's mark of "no tenant"
+            raise ValueError("default_tenant is blank: give a tenant's name, or None to dead-letter messages "
+                             "that name none")
+        return value
 
     def decode(self, message: Message, value_format: Literal["json", "text", "file"]) -> Document:
         """Raises BadInput with a one-line reason; the caller dead-letters the original bytes."""

@@ -10,13 +10,22 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+import pytest
 from pydantic import BaseModel
 from sqlalchemy import create_engine, inspect
+from typer.testing import CliRunner
 
-from connectors.store.sql import MIGRATIONS
+from connectors.sources.dead_letters import DeadLetterSource
+from connectors.store import make_engine
+from connectors.store.base import Batch, DocumentOutcome
+from connectors.store.sql import MIGRATIONS, SqlStore
 from etl import Classify, Extract, Pipeline, run_pipeline
+from etl.cli.app import app
 from etl.runtime.decode import Decoder
+from etl.runtime.wiring import build_runner
+from etl.settings import Settings
 from etl.testing import FakeLLM, ListSource
+from schemas import DeadLetter, Position
 from tests.helpers import counts, rows
 
 LABELS = ["invoice", "receipt"]
@@ -113,12 +122,36 @@ async def test_an_existing_store_moves_to_the_new_keys_and_a_redelivery_stays_a_
     stats = await run_pipeline(_pipeline(source, store_url), llm=again)
     assert again.calls == [] and stats.llm_calls == 0 and stats.results_written == 0
     assert counts(store_url, TABLES) == old
+    # and new documents write through every new conflict target (a target no unique index matches
+    # is refused when the statement is prepared, conflict or not)
+    source.write_text(source.read_text() + json.dumps({"id": "d9", "tenant": "acme", "text": "receipt 9"}) + "\n{worse\n")
+    more = FakeLLM()
+    await run_pipeline(_pipeline(source, store_url), llm=more)
+    assert len(more.calls) == 2
+    assert counts(store_url, TABLES) == {**old, "documents": 7, "stage_results": 14, "llm_cache": 14, "llm_calls": 14,
+                                         "totals": 7, "dead_letters": 2}
+
+
+def test_a_worker_does_not_rebuild_an_existing_store_s_keys_on_its_own(sqlite_url: str, tmp_path: Path) -> None:
+    import asyncio
+
+    from etl.errors import ConfigError
+
+    asyncio.run(run_pipeline(_pipeline(_input(tmp_path), sqlite_url), llm=FakeLLM()))
+    _alembic(sqlite_url, "0016", up=False)
+    with pytest.raises(ConfigError, match="0017 rebuilds.*stop the workers, then run `etl db upgrade"):
+        asyncio.run(run_pipeline(_pipeline(_input(tmp_path), sqlite_url), llm=FakeLLM()))
+    assert rows(sqlite_url, "SELECT version_num FROM alembic_version") == [("0016",)]
+    result = CliRunner().invoke(app, ["db", "upgrade", "--db", sqlite_url])
+    assert result.exit_code == 0, result.output
+    again = FakeLLM()
+    asyncio.run(run_pipeline(_pipeline(_input(tmp_path), sqlite_url), llm=again))
+    assert again.calls == []
 
 
 async def test_a_message_s_letter_moves_to_the_tenant_it_reads_as_now(store_url: str) -> None:
     """Bad input (too big: no tenant, ''), then, with max_bytes raised, the same message decodes
-    and its stage fails: still one letter at that position, now under the document's tenant,
-    published once (the mark moves with it)."""
+    and its stage fails: still one letter at that position, now under the document's tenant."""
     value = json.dumps({"id": "x", "tenant": "acme", "text": "hello " * 30}).encode()
 
     def run(max_bytes: int) -> Pipeline:
@@ -133,3 +166,53 @@ async def test_a_message_s_letter_moves_to_the_tenant_it_reads_as_now(store_url:
     again = FakeLLM(answer=lambda r: "nonsense")
     await run_pipeline(run(4096), llm=again)
     assert again.calls == [] and rows(store_url, "SELECT count(*) FROM dead_letters") == [(1,)]
+
+
+async def test_a_moved_letter_keeps_its_id_so_a_replay_meets_it_once(store_url: str) -> None:
+    """``etl dlq replay`` reads open letters by id: a letter that moves tenant (bad input that now
+    decodes, then fails at its stage) must not come round again in the same replay, paying again.
+    Found by review: the moved row took a new id, and 10 letters were replayed 20 times."""
+    values = [json.dumps({"id": f"x{i}", "tenant": "acme", "text": f"hello {i} " * 30}).encode() for i in range(10)]
+
+    def pipeline(max_bytes: int) -> Pipeline:
+        return Pipeline("p", ListSource(values), [Classify(LABELS)], store=store_url,
+                        decoder=Decoder(max_bytes=max_bytes))
+
+    await run_pipeline(pipeline(64), llm=FakeLLM())
+    ids = rows(store_url, "SELECT id FROM dead_letters WHERE tenant = '' ORDER BY id")
+    replay = pipeline(4096)
+    replay.source = DeadLetterSource(make_engine(store_url), "p")
+    llm = FakeLLM(answer=lambda r: "nonsense", latency_s=0.02)
+    stats = await build_runner(replay, Settings(max_in_flight=2, flush_size=1, flush_interval_s=0.01), llm=llm,
+                               replaying_dead_letters=True).run()
+    assert stats.messages == 10 and len(llm.calls) == 20  # each asked once, and once repaired
+    assert rows(store_url, "SELECT id FROM dead_letters WHERE tenant = 'acme' ORDER BY id") == ids
+
+
+def test_a_moved_letter_keeps_its_published_mark(store_url: str) -> None:
+    """A letter still waiting for the dead-letter topic keeps waiting when it moves tenant, and one
+    already sent is not sent again (found by review: the marks were OR-ed, and a letter written
+    without the outbox, as every replay writes, was never sent)."""
+    store = SqlStore(store_url)
+    store.prepare([])
+
+    def letter(tenant: str | None, reason: str, offset: int) -> DocumentOutcome:
+        return DocumentOutcome(document=None, dead_letter=DeadLetter(
+            position=Position(stream="s", offset=offset), reason=reason, detail="d", payload=b"x", tenant=tenant))
+
+    store.write("o", Batch(outcomes=[letter(None, "bad_input", 1)], outbox=True))  # waiting
+    store.write("o", Batch(outcomes=[letter(None, "bad_input", 2)], outbox=False))  # sent
+    store.write("o", Batch(outcomes=[letter("acme", "store_rejected", 1), letter("acme", "store_rejected", 2)],
+                           outbox=False))
+    assert rows(store_url, "SELECT message_offset, tenant, reason, published FROM dead_letters ORDER BY 1") == [
+        (1, "acme", "store_rejected", False), (2, "acme", "store_rejected", True)]
+    store.dispose()
+
+
+def test_no_one_names_the_tenant_of_letters_without_one() -> None:
+    """'' marks a letter whose message named no tenant: not a tenant to decode into, grant or purge."""
+    with pytest.raises(ValueError, match="default_tenant is blank"):
+        Decoder(default_tenant=" ")
+    for args in (["analyst", "grant", "someone", ""], ["tenant", "purge", " ", "--yes"]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code != 0 and "blank" in result.output, (args, result.output)
