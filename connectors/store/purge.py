@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sqlalchemy import Connection, Engine, inspect, text
 
-from connectors.store.tables import TENANT_TABLES, analyst_grants, dead_letters, typed_table_names
+from connectors.store.tables import NO_TENANT, TENANT_TABLES, analyst_grants, dead_letters, typed_table_names
 
 
 def tenant_tables(conn: Connection) -> list[str]:
@@ -38,4 +38,5 @@ def untenanted_letters(engine: Engine) -> int:
     """Dead letters whose tenant could not be read from the message (bad input): no tenant's purge
     reaches them."""
     with engine.connect() as conn:
-        return int(conn.execute(text(f"SELECT count(*) FROM {dead_letters.name} WHERE tenant = ''")).scalar_one())
+        return int(conn.execute(text(f"SELECT count(*) FROM {dead_letters.name} WHERE tenant = :none"),
+                                {"none": NO_TENANT}).scalar_one())

@@ -30,6 +30,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from connectors.store.base import Batch, CacheEntry, DocRef, Lookup, Store, TypedTable, Version
 from connectors.store.tables import (
+    NO_TENANT,
     dead_letters,
     documents,
     llm_cache,
@@ -366,7 +367,7 @@ class SqlStore(Store, Claims):
             if not found:
                 return 0
             publish([DeadLetter(position=Position(stream=r.stream, partition=r.partition, offset=r.message_offset),
-                                reason=r.reason, detail=r.detail, payload=bytes(r.payload), tenant=r.tenant or None,
+                                reason=r.reason, detail=r.detail, payload=bytes(r.payload), tenant=None if r.tenant == NO_TENANT else r.tenant,
                                 doc_key=r.doc_key, stage=r.stage, cache_key=r.cache_key, raw_output=r.raw_output)
                      for r in found])
             for (member,) in members(conn, [r.id for r in found], c.id):

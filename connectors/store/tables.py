@@ -159,6 +159,10 @@ source_positions = Table(
     PrimaryKeyConstraint("pipeline", "stream", "partition", name="pk_source_positions"),
 )
 
+#: The tenant of a dead letter whose message named none (bad input): a key column is never NULL,
+#: and no login can be granted it (``etl analyst grant`` refuses a blank tenant).
+NO_TENANT = ""
+
 dead_letters = Table(
     "dead_letters",
     metadata,
@@ -167,8 +171,7 @@ dead_letters = Table(
     Column("stream", String(500), nullable=False),
     Column("partition", Integer, nullable=False),
     Column("message_offset", BigInteger, nullable=False),
-    #: "" for a message whose tenant could not be read (bad input): a key column is never NULL.
-    Column("tenant", String(200), nullable=False),
+    Column("tenant", String(200), nullable=False),  # NO_TENANT where the message named none
     Column("doc_key", String(500)),
     Column("stage", String(200)),
     Column("cache_key", String(64)),

@@ -42,6 +42,7 @@ from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalErr
 
 from connectors.store.base import Batch, DocRef, DocumentOutcome, Version
 from connectors.store.tables import (
+    NO_TENANT,
     TYPED_KEY_COLUMNS,
     cache_texts,
     dead_letters,
@@ -192,7 +193,7 @@ def version(outcome: DocumentOutcome) -> Version:
 def _letter_row(pipeline: str, letter: DeadLetter, status: str, published: bool) -> dict[str, Any]:
     p = letter.position
     return {"pipeline": pipeline, "stream": p.stream, "partition": p.partition, "message_offset": p.offset,
-            **letter.model_dump(exclude={"position"}), "tenant": letter.tenant or "", "status": status,
+            **letter.model_dump(exclude={"position"}), "tenant": letter.tenant or NO_TENANT, "status": status,
             "published": published}
 
 
